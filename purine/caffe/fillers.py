@@ -1,0 +1,68 @@
+"""Caffe's weight fillers: constant, uniform, gaussian (with sparse), xavier, msra,
+positive_unitball, bilinear; fan-in = count / shape[0], fan-out = count / shape[1]."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from purine.caffe import caffe_pb2 as pb
+from purine.errors import PurineError
+
+_NORM = pb.FillerParameter
+
+
+def _fans(shape: tuple[int, ...]) -> tuple[int, int]:
+    count = math.prod(shape)
+    fan_in = count // shape[0] if shape else 1
+    fan_out = count // shape[1] if len(shape) > 1 else count
+    return fan_in, fan_out
+
+
+def _n(p: pb.FillerParameter, shape: tuple[int, ...]) -> float:
+    fan_in, fan_out = _fans(shape)
+    if p.variance_norm == _NORM.FAN_OUT:
+        return fan_out
+    if p.variance_norm == _NORM.AVERAGE:
+        return (fan_in + fan_out) / 2.0
+    return fan_in
+
+
+def fill(p: pb.FillerParameter, shape: tuple[int, ...], rng: np.random.Generator,
+         owner: str = "") -> np.ndarray:
+    """A float32 array of ``shape`` filled as Caffe's filler ``p`` fills it."""
+    kind = p.type
+    if kind == "constant":
+        out = np.full(shape, p.value, dtype=np.float64)
+    elif kind == "uniform":
+        out = rng.uniform(p.min, p.max, shape)
+    elif kind == "gaussian":
+        out = rng.normal(p.mean, p.std, shape)
+        if p.sparse >= 0:
+            if len(shape) < 2:
+                raise PurineError(f"{owner}: sparse gaussian filler needs a blob of 2+ axes")
+            keep = rng.random(shape) < p.sparse / shape[0]
+            out *= keep
+    elif kind == "xavier":
+        scale = math.sqrt(3.0 / _n(p, shape))
+        out = rng.uniform(-scale, scale, shape)
+    elif kind == "msra":
+        out = rng.normal(0.0, math.sqrt(2.0 / _n(p, shape)), shape)
+    elif kind == "positive_unitball":
+        out = rng.uniform(0.0, 1.0, shape)
+        flat = out.reshape(shape[0], -1)
+        flat /= flat.sum(axis=1, keepdims=True)
+    elif kind == "bilinear":
+        if len(shape) != 4 or shape[2] != shape[3]:
+            raise PurineError(f"{owner}: bilinear filler needs a 4-d blob with square "
+                              f"kernels, got shape {shape}")
+        k = shape[3]
+        f = math.ceil(k / 2.0)
+        c = (2 * f - 1 - f % 2) / (2.0 * f)
+        axis = 1 - np.abs(np.arange(k) / f - c)
+        out = np.broadcast_to(np.outer(axis, axis), shape)
+    else:
+        raise PurineError(f"{owner}: unknown filler type '{kind}'; expected constant, uniform, "
+                          "gaussian, xavier, msra, positive_unitball or bilinear")
+    return np.ascontiguousarray(out, dtype=np.float32)

@@ -1,0 +1,194 @@
+"""The layer registry (Caffe type string -> graph builder) and what a builder is handed.
+
+A builder adds its layer's forward ops and parameter blobs, and returns a function that adds
+its backward ops; that function is called later, in reverse layer order, once the net knows
+which gradients are needed (Caffe's need_backward / loss analysis)::
+
+    @register("AbsVal")
+    def absval(L: LayerBuild):
+        x = L.bottom(0)
+        y = L.top(0, x.shape)
+        L.forward(act.absval_forward, [x], [y])
+
+        def backward():
+            L.backward(act.absval_backward, [L.saved(0), L.top_diff(0)], [L.bottom_diff(0)])
+        return backward
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from purine.caffe import caffe_pb2 as pb
+from purine.errors import LayerError
+from purine.graph import Blob, Op
+from purine.ops import tensor
+
+if TYPE_CHECKING:
+    from purine.caffe.net import NetBuilder
+
+Backward = Callable[[], None]
+Builder = Callable[["LayerBuild"], "Backward | None"]
+
+BUILDERS: dict[str, Builder] = {}
+
+
+def register(*types: str) -> Callable[[Builder], Builder]:
+    """Register a builder under one or more Caffe type strings."""
+
+    def deco(fn: Builder) -> Builder:
+        for t in types:
+            if t in BUILDERS:
+                raise ValueError(f"layer type {t} registered twice")
+            BUILDERS[t] = fn
+        return fn
+
+    return deco
+
+
+def kernel(fn: Callable[..., None], **params: Any) -> Callable[[list, list], None]:
+    """Adapt ``fn(*inputs, *outputs, **params)`` to the op kernel interface."""
+
+    def run(ins: list, outs: list) -> None:
+        fn(*ins, *outs, **params)
+
+    run.__name__ = run.__qualname__ = fn.__name__
+    return run
+
+
+class LayerBuild:
+    """One layer under construction: its parameter message, bottoms, tops, parameter blobs,
+    and the net-level services (blob naming, gradients, fillers, op placement)."""
+
+    def __init__(self, net: NetBuilder, param: pb.LayerParameter, index: int):
+        self.net = net
+        self.param = param
+        self.name = param.name
+        self.type = param.type
+        self.index = index
+        self.phase = net.phase
+        self.bottoms: list[Blob] = [net.data[b] for b in param.bottom]
+        self.tops: list[Blob] = []
+        self.params: list[Blob] = []
+        self.forward_ops: list[Op] = []
+        self.backward_ops: list[Op] = []
+        self.loss_weights: list[float] = list(param.loss_weight)
+        self.no_force_backward: set[int] = set()
+        # Set by the net before backward() is called.
+        self.bottom_need: list[bool] = []
+        self.param_need: list[bool] = []
+        self._saved: dict[int, Blob] = {}
+
+    # -- checks and errors ------------------------------------------------------------
+    def error(self, message: str) -> LayerError:
+        return LayerError(self.name, self.type, message)
+
+    def shapes(self) -> str:
+        return ", ".join(f"{b.name} {tuple(b.shape)}" for b in self.bottoms)
+
+    def expect(self, bottoms: int | tuple[int, int | None], tops: int | tuple[int, int | None]
+               ) -> None:
+        for what, have, want in (("bottom", len(self.bottoms), bottoms),
+                                 ("top", len(self.param.top), tops)):
+            lo, hi = (want, want) if isinstance(want, int) else want
+            if have < lo or (hi is not None and have > hi):
+                exp = str(lo) if lo == hi else (f"{lo} or more" if hi is None else f"{lo}-{hi}")
+                raise self.error(f"needs {exp} {what} blob(s), got {have}")
+
+    def bottom(self, i: int) -> Blob:
+        return self.bottoms[i]
+
+    # -- blobs ------------------------------------------------------------------------
+    def top(self, i: int, shape: Sequence[int], dtype: str | None = None) -> Blob:
+        """Create top ``i`` with ``shape``; an in-place top (same name as a bottom) reuses
+        the bottom's blob, whose shape must then be ``shape``."""
+        name = self.param.top[i]
+        shape = tuple(int(d) for d in shape)
+        if name in self.param.bottom:
+            b = self.net.data[name]
+            if b.shape != shape:
+                raise self.error(f"in-place top '{name}' would change shape {b.shape} -> {shape}")
+        else:
+            if name in self.net.data:
+                raise self.error(f"top '{name}' is produced by an earlier layer too; "
+                                 "only in-place tops may reuse a name")
+            b = self.net.graph.blob(name, shape, dtype or self.net.dtype, self.net.location)
+        self.net.data[name] = b
+        while len(self.tops) <= i:
+            self.tops.append(b)
+        self.tops[i] = b
+        return b
+
+    def alias_top(self, i: int, blob: Blob) -> None:
+        """Top ``i`` names ``blob``'s data without a copy (Split, Reshape-like layers);
+        its gradient is still a blob of its own."""
+        self.net.data[self.param.top[i]] = blob
+        while len(self.tops) <= i:
+            self.tops.append(blob)
+        self.tops[i] = blob
+
+    def add_param(self, shape: Sequence[int], filler: pb.FillerParameter | None,
+                  *, lr_mult: float | None = None) -> Blob:
+        """The layer's next parameter blob, initialised with ``filler`` (or shared by
+        ``ParamSpec.name``); ``lr_mult`` overrides the default of 1 where Caffe does."""
+        b = self.net.add_param(self, len(self.params), tuple(int(d) for d in shape), filler,
+                               lr_mult)
+        self.params.append(b)
+        return b
+
+    def saved(self, i: int) -> Blob:
+        """Bottom ``i`` as the backward pass must see it: for an in-place layer a copy
+        taken before the forward op overwrites it (call before adding the forward op)."""
+        b = self.bottoms[i]
+        if self.param.bottom[i] not in self.param.top:
+            return b
+        if i not in self._saved:
+            s = self.net.graph.blob(f"{self.name}@saved{i}", b.shape, b.dtype, b.location)
+            self.forward(tensor.copy, [b], [s], op_type="Copy")
+            self._saved[i] = s
+        return self._saved[i]
+
+    def top_diff(self, i: int) -> Blob:
+        return self.net.diff(self.param.top[i])
+
+    def bottom_diff(self, i: int) -> Blob:
+        return self.net.diff(self.param.bottom[i])
+
+    def param_diff(self, k: int) -> Blob:
+        return self.net.param_diff(self, k)
+
+    def scratch(self, suffix: str, shape: Sequence[int], dtype: str | None = None) -> Blob:
+        """A blob private to this layer (a mask, an argmax index, a saved statistic)."""
+        return self.net.graph.blob(f"{self.name}@{suffix}", shape, dtype or self.net.dtype,
+                                   self.net.location)
+
+    def rng(self) -> np.random.Generator:
+        """A generator for this layer alone, seeded from the net seed and layer index, so
+        results do not depend on the order ops run in."""
+        return np.random.default_rng([self.net.seed, self.index])
+
+    # -- ops --------------------------------------------------------------------------
+    def forward(self, fn: Callable[..., None], inputs: Sequence[Blob], outputs: Sequence[Blob],
+                op_type: str | None = None, **params: Any) -> Op:
+        op = self.net.add_op(self, op_type or _op_type(fn), inputs, outputs, kernel(fn, **params))
+        self.forward_ops.append(op)
+        return op
+
+    def backward(self, fn: Callable[..., None], inputs: Sequence[Blob],
+                 outputs: Sequence[Blob], op_type: str | None = None, **params: Any) -> Op:
+        op = self.net.add_op(self, op_type or _op_type(fn), inputs, outputs, kernel(fn, **params))
+        self.backward_ops.append(op)
+        return op
+
+    def needs_diff(self, i: int) -> bool:
+        return self.bottom_need[i]
+
+    def needs_param_diff(self, k: int) -> bool:
+        return self.param_need[k]
+
+
+def _op_type(fn: Callable[..., None]) -> str:
+    return "".join(part.capitalize() for part in fn.__name__.split("_"))

@@ -1,0 +1,1 @@
+"""Layer builders of the array family."""

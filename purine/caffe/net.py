@@ -1,0 +1,412 @@
+"""A Caffe net as a bi-graph: NetBuilder translates a NetParameter into forward ops, backward
+ops and parameter blobs; Net is the pycaffe-style face over it (blobs, params, forward,
+backward) run by the dispatcher."""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from purine.caffe import caffe_pb2 as pb
+from purine.caffe.fillers import fill
+from purine.caffe.layer import BUILDERS, LayerBuild, kernel
+from purine.caffe.prototxt import filter_net, insert_splits, read_net
+from purine.errors import LayerError, PurineError
+from purine.graph import CPU, Blob, Graph, Location, Op
+from purine.ops import tensor
+from purine.runtime import Dispatcher
+
+TRAIN, TEST = pb.TRAIN, pb.TEST
+_PHASES = {"TRAIN": TRAIN, "TEST": TEST, TRAIN: TRAIN, TEST: TEST}
+
+
+class NetBuilder:
+    """Builds the graph of one net for one NetState (phase, level, stages)."""
+
+    def __init__(self, param: pb.NetParameter, phase: int, *, level: int = 0,
+                 stages: Sequence[str] = (), seed: int = 0, location: Location = CPU,
+                 threads: int = 1, input_shapes: dict[str, tuple[int, ...]] | None = None,
+                 dtype: str = "float32"):
+        self.phase = phase
+        self.dtype = dtype
+        self.seed = seed
+        self.location = location
+        self.threads = max(1, threads)
+        self.input_shapes = dict(input_shapes or {})
+        self.graph = Graph()
+        self.data: dict[str, Blob] = {}  # Caffe blob name -> its data blob
+        self.blob_names: list[str] = []  # in Caffe's order (net.blobs)
+        self.layers: list[LayerBuild] = []
+        self.initial: dict[Blob, np.ndarray] = {}
+        self.loss_tops: list[tuple[Blob, float]] = []
+        self.seed_ops: list[Op] = []
+        self._diffs: dict[str, Blob] = {}
+        self._shared: dict[str, tuple[LayerBuild, int]] = {}
+        self._param_uses: dict[Blob, list[tuple[LayerBuild, int]]] = {}
+        self._use_diffs: dict[tuple[str, int], Blob] = {}
+        self._n_ops = 0
+
+        state = pb.NetState()
+        state.CopyFrom(param.state)
+        state.phase, state.level = phase, level
+        state.stage.extend(s for s in stages if s not in state.stage)
+        self.param = insert_splits(filter_net(param, state))
+        self.force_backward = param.force_backward
+        self._build()
+
+    # -- services for LayerBuild -------------------------------------------------------
+    def add_op(self, layer: LayerBuild, op_type: str, inputs: Iterable[Blob],
+               outputs: Iterable[Blob], k) -> Op:
+        loc = self.location
+        if self.threads > 1:
+            loc = Location(loc.device, loc.index, self._n_ops % self.threads, loc.host)
+        self._n_ops += 1
+        name, n = f"{layer.name}/{op_type}", 1
+        while self.graph.has_op(name):
+            n += 1
+            name = f"{layer.name}/{op_type}#{n}"
+        return self.graph.op(name, op_type, inputs, outputs, k, loc)
+
+    def diff(self, name: str) -> Blob:
+        d = self._diffs.get(name)
+        if d is None:
+            b = self.data[name]
+            d = self._diffs[name] = self.graph.blob(f"{name}@diff", b.shape, b.dtype, b.location)
+        return d
+
+    def add_param(self, layer: LayerBuild, k: int, shape: tuple[int, ...],
+                  filler: pb.FillerParameter | None, lr_mult: float | None) -> Blob:
+        spec = layer.param.param[k] if k < len(layer.param.param) else pb.ParamSpec()
+        if lr_mult is not None and spec.HasField("lr_mult") and spec.lr_mult != lr_mult:
+            raise layer.error(f"parameter {k} must have lr_mult {lr_mult}, got {spec.lr_mult}")
+        mult = spec.lr_mult if spec.HasField("lr_mult") else (1.0 if lr_mult is None else lr_mult)
+        if spec.name and spec.name in self._shared:
+            owner, ok = self._shared[spec.name]
+            b = owner.params[ok]
+            permissive = spec.share_mode == pb.ParamSpec.PERMISSIVE
+            same = (int(np.prod(b.shape)) == int(np.prod(shape))) if permissive else (
+                b.shape == shape)
+            if not same:
+                raise layer.error(f"shares parameter '{spec.name}' of layer '{owner.name}' but "
+                                  f"needs shape {shape}, the owner has {b.shape}")
+            if spec.HasField("lr_mult") and spec.lr_mult != b.meta["lr_mult"]:
+                raise layer.error(f"shared parameter '{spec.name}' has lr_mult {spec.lr_mult} "
+                                  f"here and {b.meta['lr_mult']} in layer '{owner.name}'")
+            self._param_uses[b].append((layer, k))
+            return b
+        b = self.graph.blob(f"{layer.name}[{k}]", shape, self.dtype, self.location,
+                            lr_mult=mult, decay_mult=spec.decay_mult, layer=layer.name,
+                            index=k, share_name=spec.name)
+        if spec.name:
+            self._shared[spec.name] = (layer, k)
+        self._param_uses[b] = [(layer, k)]
+        self.initial[b] = fill(filler or pb.FillerParameter(), shape, layer.rng(), layer.name)
+        return b
+
+    def param_diff(self, layer: LayerBuild, k: int) -> Blob:
+        b = layer.params[k]
+        if len(self._param_uses[b]) == 1:
+            return self._diff_of_param(b)
+        key = (layer.name, k)
+        if key not in self._use_diffs:
+            self._use_diffs[key] = self.graph.blob(f"{layer.name}[{k}]@diff", b.shape,
+                                                   b.dtype, b.location)
+        return self._use_diffs[key]
+
+    def _diff_of_param(self, b: Blob) -> Blob:
+        name = f"{b.name}@diff"
+        if name in self.graph.blobs:
+            return self.graph.blobs[name]
+        return self.graph.blob(name, b.shape, b.dtype, b.location)
+
+    # -- building ----------------------------------------------------------------------
+    def _build(self) -> None:
+        backwards = []
+        for i, lp in enumerate(self.param.layer):
+            builder = BUILDERS.get(lp.type)
+            if builder is None:
+                raise LayerError(lp.name, lp.type, "unknown layer type; known types: "
+                                 + ", ".join(sorted(BUILDERS)))
+            L = LayerBuild(self, lp, i)
+            try:
+                backwards.append(builder(L))
+            except LayerError:
+                raise
+            except PurineError as e:
+                raise L.error(str(e)) from None
+            if len(L.tops) != len(lp.top):
+                raise L.error(f"declares {len(lp.top)} tops, the layer makes {len(L.tops)}")
+            if len(L.loss_weights) > len(L.tops):
+                raise L.error(f"{len(L.loss_weights)} loss_weight values for "
+                              f"{len(L.tops)} tops")
+            for t in lp.top:
+                if t not in self.blob_names:
+                    self.blob_names.append(t)
+            self.layers.append(L)
+        self._need_backward()
+        for L in self.layers:
+            for j, w in enumerate(L.loss_weights):
+                if w:
+                    self.loss_tops.append((L.tops[j], w))
+                    diff = self.diff(L.param.top[j])
+                    self.seed_ops.append(self.graph.op(
+                        f"{L.name}/LossWeight#{j}", "Fill", [], [diff],
+                        kernel(tensor.fill, value=w), self.location))
+        for L, backward in zip(reversed(self.layers), reversed(backwards)):
+            if backward is not None and any(L.bottom_need + L.param_need):
+                backward()
+        self._sum_shared_diffs()
+        self.graph.validate()
+
+    def _need_backward(self) -> None:
+        """Caffe's analysis of which layers and bottoms need a gradient."""
+        blob_need: dict[str, bool] = {}
+        layer_need: list[bool] = []
+        for L in self.layers:
+            lp = L.param
+            if lp.propagate_down and len(lp.propagate_down) != len(lp.bottom):
+                raise L.error(f"propagate_down has {len(lp.propagate_down)} values for "
+                              f"{len(lp.bottom)} bottoms")
+            L.bottom_need = [blob_need.get(b, False) and (not lp.propagate_down
+                                                         or lp.propagate_down[j])
+                             for j, b in enumerate(lp.bottom)]
+            L.param_need = [b.meta["lr_mult"] != 0 for b in L.params]
+            need = any(L.bottom_need) or any(L.param_need)
+            for t in lp.top:
+                if need:
+                    blob_need[t] = True
+                else:
+                    blob_need.setdefault(t, False)
+            layer_need.append(need)
+        under_loss: set[str] = set()
+        skip: set[str] = set()
+        for i in reversed(range(len(self.layers))):
+            L = self.layers[i]
+            contributes = any((j < len(L.loss_weights) and L.loss_weights[j] != 0)
+                              or t in under_loss for j, t in enumerate(L.param.top))
+            skip_down = all(t in skip for t in L.param.top)
+            if (layer_need[i] and skip_down) or not contributes:
+                layer_need[i] = False
+                L.bottom_need = [False] * len(L.bottom_need)
+            for j, b in enumerate(L.param.bottom):
+                if contributes:
+                    under_loss.add(b)
+                if not L.bottom_need[j]:
+                    skip.add(b)
+            if not layer_need[i]:
+                L.param_need = [False] * len(L.params)
+        if self.force_backward:
+            for L in self.layers:
+                L.bottom_need = [n or j not in L.no_force_backward
+                                 for j, n in enumerate(L.bottom_need)]
+                L.param_need = [True] * len(L.params)
+
+    def _sum_shared_diffs(self) -> None:
+        for b, uses in self._param_uses.items():
+            if len(uses) < 2:
+                continue
+            parts = [self._use_diffs[(L.name, k)] for L, k in uses
+                     if (L.name, k) in self._use_diffs and self.graph.writers(
+                         self._use_diffs[(L.name, k)])]
+            if parts:
+                owner = uses[0][0]
+                op = self.graph.op(f"{b.name}/SumSharedDiff", "Sum", parts,
+                                   [self._diff_of_param(b)], kernel(tensor.sum), self.location)
+                owner.backward_ops.append(op)
+
+
+class BlobView:
+    """``net.blobs[name]``: a Caffe blob's data and diff as numpy arrays."""
+
+    def __init__(self, net: Net, name: str, data: Blob, diff: Blob | None):
+        self._net, self.name, self._data, self._diff = net, name, data, diff
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._net.dispatcher.array(self._data)
+
+    @property
+    def diff(self) -> np.ndarray:
+        if self._diff is None:
+            self._diff = self._net.builder.diff(self.name)
+        return self._net.dispatcher.array(self._diff)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._data.shape
+
+    @property
+    def count(self) -> int:
+        return self._data.count
+
+    def _axis(self, i: int) -> int:
+        s = self._data.shape
+        return s[i] if i < len(s) else 1
+
+    num = property(lambda self: self._axis(0))
+    channels = property(lambda self: self._axis(1))
+    height = property(lambda self: self._axis(2))
+    width = property(lambda self: self._axis(3))
+
+    def reshape(self, *shape: int) -> None:
+        """Record a new shape for an input blob; ``net.reshape()`` applies it."""
+        self._net._input_shapes[self.name] = tuple(int(d) for d in shape)
+
+    def __repr__(self) -> str:
+        return f"<Blob {self.name} {self.shape}>"
+
+
+class Net:
+    """pycaffe's Net over a bi-graph: ``Net(model, weights=None, phase=TEST)``;
+    ``Net(model, phase)`` and ``Net(model, weights, phase)`` as in pycaffe."""
+
+    def __init__(self, model: str | os.PathLike | pb.NetParameter, *args: Any,
+                 weights: str | None = None, phase: int | str | None = None,
+                 level: int = 0, stages: Sequence[str] = (), seed: int = 0,
+                 threads: int = 1, dtype: str = "float32"):
+        for a in args:
+            if isinstance(a, int | str) and a in _PHASES and phase is None:
+                phase = a
+            elif isinstance(a, str | os.PathLike) and weights is None:
+                weights = os.fspath(a)
+            else:
+                raise TypeError(f"Net: unexpected argument {a!r}")
+        self.phase = _PHASES[TEST if phase is None else phase]
+        self.model = read_net(model)
+        self._level, self._stages, self._seed, self._threads = level, tuple(stages), seed, threads
+        self._dtype = dtype
+        self._input_shapes: dict[str, tuple[int, ...]] = {}
+        self._build()
+        if weights is not None:
+            self.copy_from(weights)
+
+    def _build(self, keep: dict[Blob, np.ndarray] | None = None) -> None:
+        b = NetBuilder(self.model, self.phase, level=self._level, stages=self._stages,
+                       seed=self._seed, threads=self._threads, input_shapes=self._input_shapes,
+                       dtype=self._dtype)
+        self.builder, self.graph = b, b.graph
+        self.dispatcher = Dispatcher(self.graph)
+        for blob, value in b.initial.items():
+            self.dispatcher.array(blob)[...] = value
+        self.layer_names = [L.name for L in b.layers]
+        self.layer_types = [L.type for L in b.layers]
+        self.blobs: OrderedDict[str, BlobView] = OrderedDict(
+            (n, BlobView(self, n, b.data[n], b._diffs.get(n))) for n in b.blob_names)
+        self.params: OrderedDict[str, list[BlobView]] = OrderedDict()
+        for L in b.layers:
+            if L.params:
+                self.params[L.name] = [
+                    BlobView(self, p.name, p, b._diff_of_param(p)) for p in L.params]
+        self.inputs = [t for L in b.layers if L.type == "Input" for t in L.param.top]
+        consumed = {bt for L in b.layers for bt in L.param.bottom}
+        self.outputs = [n for n in b.blob_names if n not in consumed]
+        self._forward_ops = [op for L in b.layers for op in L.forward_ops]
+        self._backward_ops = b.seed_ops + [op for L in reversed(b.layers)
+                                           for op in L.backward_ops]
+
+    # -- running -----------------------------------------------------------------------
+    def _layer_range(self, start: str | None, end: str | None) -> list[LayerBuild]:
+        names = self.layer_names
+        for n in (start, end):
+            if n is not None and n not in names:
+                raise PurineError(f"no layer named '{n}' in net '{self.model.name}'")
+        i = names.index(start) if start else 0
+        j = names.index(end) if end else len(names) - 1
+        return self.builder.layers[i: j + 1]
+
+    def forward(self, blobs: Sequence[str] | None = None, start: str | None = None,
+                end: str | None = None, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+        """Run the forward ops (of layers ``start``..``end``) after copying ``inputs`` into
+        their blobs; returns the output blobs (and ``blobs``) by name."""
+        for name, value in inputs.items():
+            if name not in self.blobs:
+                raise PurineError(f"forward: net has no blob '{name}'")
+            target = self.blobs[name].data
+            value = np.asarray(value)
+            if value.shape != target.shape:
+                raise PurineError(f"forward: blob '{name}' has shape {target.shape}, "
+                                  f"the input has {value.shape}")
+            target[...] = value
+        if start is None and end is None:
+            ops = self._forward_ops
+        else:
+            ops = [op for L in self._layer_range(start, end) for op in L.forward_ops]
+        self.dispatcher.run(ops)
+        names = list(self.outputs) + [b for b in (blobs or []) if b not in self.outputs]
+        if end is not None:
+            names = list(self._layer_range(end, end)[0].param.top) + list(blobs or [])
+        return {n: self.blobs[n].data for n in names}
+
+    def backward(self, diffs: Sequence[str] | None = None, start: str | None = None,
+                 end: str | None = None, **top_diffs: np.ndarray) -> dict[str, np.ndarray]:
+        """Run the backward ops; returns the input blobs' diffs (and ``diffs``) by name."""
+        for name, value in top_diffs.items():
+            self.blobs[name].diff[...] = value
+        if start is None and end is None:
+            ops = self._backward_ops
+        else:
+            layers = self._layer_range(end, start)
+            ops = [op for L in reversed(layers) for op in L.backward_ops]
+        self.dispatcher.run(ops)
+        names = list(self.inputs) + list(diffs or [])
+        return {n: self.blobs[n].diff for n in names}
+
+    @property
+    def loss(self) -> float:
+        """Sum over loss tops of loss_weight x sum(top), as Caffe's Net::Forward returns."""
+        return float(sum(w * float(self.dispatcher.array(b).sum())
+                         for b, w in self.builder.loss_tops))
+
+    def reshape(self) -> None:
+        """Rebuild with the shapes given to ``blobs[name].reshape``, keeping parameters."""
+        params = {p.name: self.dispatcher.array(p).copy() for ps in self.builder.layers
+                  for p in ps.params}
+        self._build()
+        for ps in self.builder.layers:
+            for p in ps.params:
+                if p.name in params:
+                    self.dispatcher.array(p)[...] = params[p.name]
+
+    # -- weights -----------------------------------------------------------------------
+    def copy_from(self, path: str | os.PathLike) -> None:
+        """Copy parameters from a .caffemodel by layer name (Caffe's CopyTrainedLayersFrom):
+        layers it lacks keep theirs; a shape mismatch is an error naming both shapes."""
+        from purine.caffe.caffemodel import load_weights
+
+        weights = load_weights(path)
+        for name, views in self.params.items():
+            if name not in weights:
+                continue
+            arrays = weights[name]
+            if len(arrays) != len(views):
+                raise PurineError(f"{os.fspath(path)}: layer '{name}' has {len(arrays)} "
+                                  f"parameter blobs, the net expects {len(views)}")
+            for k, (v, a) in enumerate(zip(views, arrays)):
+                if a.shape != v.shape:
+                    if a.size == v.count and _legacy_shape_match(a.shape, v.shape):
+                        a = a.reshape(v.shape)
+                    else:
+                        raise PurineError(
+                            f"{os.fspath(path)}: layer '{name}' parameter {k} has shape "
+                            f"{a.shape} in the file, the net expects {v.shape}")
+                v.data[...] = a
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the parameters as a .caffemodel (temporary file, then rename)."""
+        from purine.caffe.caffemodel import save_net
+
+        params = {name: [v.data for v in views] for name, views in self.params.items()}
+        layers = [pb.LayerParameter() for _ in self.builder.layers]
+        for lp, L in zip(layers, self.builder.layers):
+            lp.CopyFrom(L.param)
+        save_net(self.model.name, [lp for lp in layers if lp.type != "Split"], params, path)
+
+
+def _legacy_shape_match(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Old caffemodels store every blob as 4-d (num, channels, height, width)."""
+    strip = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
+    return strip(a) == strip(b)

@@ -1,0 +1,194 @@
+"""Reading Caffe's protobuf files (text prototxt and binary), the NetState include/exclude
+rules, and the implicit Split layers Caffe inserts for blobs with several consumers."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import TypeVar
+
+from google.protobuf import message, text_format
+
+from purine.caffe import caffe_pb2 as pb
+from purine.errors import ProtoError
+
+M = TypeVar("M", bound=message.Message)
+
+BINARY_SUFFIXES = (".caffemodel", ".binaryproto", ".solverstate", ".pb")
+
+
+def parse_text(text: str, msg: M, filename: str = "<string>") -> M:
+    try:
+        text_format.Merge(text, msg)
+    except text_format.ParseError as e:
+        line, col = e.GetLine(), e.GetColumn()
+        where = f"{filename}:{line}:{col}" if line else filename
+        reason = str(e).split(" : ", 1)[-1]
+        raise ProtoError(f"{where}: {reason}") from None
+    return msg
+
+
+def read_message(path: str | os.PathLike, msg: M) -> M:
+    """Read ``path`` into ``msg``: binary for Caffe's binary suffixes, else text."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ProtoError(f"{path}: cannot read: {e.strerror}") from None
+    if path.endswith(BINARY_SUFFIXES):
+        try:
+            msg.ParseFromString(data)
+        except message.DecodeError as e:
+            raise ProtoError(
+                f"{path}: not a binary {msg.DESCRIPTOR.name} ({e})") from None
+        return msg
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtoError(
+            f"{path}: not a text prototxt (binary data); binary files should end in "
+            f"{', '.join(BINARY_SUFFIXES)}") from None
+    return parse_text(text, msg, path)
+
+
+def read_net(source: str | os.PathLike | pb.NetParameter) -> pb.NetParameter:
+    """A NetParameter from a file path, a prototxt string, or a NetParameter (copied)."""
+    if isinstance(source, pb.NetParameter):
+        net = pb.NetParameter()
+        net.CopyFrom(source)
+    elif isinstance(source, str) and not os.path.exists(source) and (
+        "\n" in source or "{" in source
+    ):
+        net = parse_text(source, pb.NetParameter(), "<string>")
+    else:
+        net = read_message(source, pb.NetParameter())
+    if net.layers:
+        raise ProtoError(
+            f"net '{net.name}': uses the V1 'layers' field; upgrade it to the 'layer' form "
+            "(V1/V0 upgrade is not supported yet)")
+    return upgrade_net_input(net)
+
+
+def upgrade_net_input(net: pb.NetParameter) -> pb.NetParameter:
+    """Turn the deprecated net-level ``input``/``input_shape``/``input_dim`` fields into an
+    Input layer named "input" at the front, as Caffe's upgrade does."""
+    if not net.input:
+        return net
+    layer = pb.LayerParameter(name="input", type="Input", top=list(net.input))
+    if net.input_shape:
+        if len(net.input_shape) != len(net.input):
+            raise ProtoError(f"net '{net.name}': {len(net.input)} inputs but "
+                             f"{len(net.input_shape)} input_shape entries")
+        layer.input_param.shape.extend(net.input_shape)
+    elif net.input_dim:
+        if len(net.input_dim) != 4 * len(net.input):
+            raise ProtoError(f"net '{net.name}': input_dim needs 4 values per input, got "
+                             f"{len(net.input_dim)} for {len(net.input)} inputs")
+        for i in range(len(net.input)):
+            layer.input_param.shape.add(dim=net.input_dim[4 * i: 4 * i + 4])
+    else:
+        raise ProtoError(f"net '{net.name}': input blobs without input_shape or input_dim")
+    layers = list(net.layer)
+    del net.layer[:]
+    net.layer.add().CopyFrom(layer)
+    net.layer.extend(layers)
+    net.ClearField("input")
+    net.ClearField("input_shape")
+    net.ClearField("input_dim")
+    return net
+
+
+# -- NetState rules ------------------------------------------------------------------------
+def state_meets_rule(state: pb.NetState, rule: pb.NetStateRule) -> bool:
+    if rule.HasField("phase") and rule.phase != state.phase:
+        return False
+    if rule.HasField("min_level") and state.level < rule.min_level:
+        return False
+    if rule.HasField("max_level") and state.level > rule.max_level:
+        return False
+    stages = set(state.stage)
+    if any(s not in stages for s in rule.stage):
+        return False
+    return not any(s in stages for s in rule.not_stage)
+
+
+def filter_net(net: pb.NetParameter, state: pb.NetState) -> pb.NetParameter:
+    """Keep the layers whose include/exclude rules admit ``state`` (Caffe's FilterNet)."""
+    out = pb.NetParameter()
+    out.CopyFrom(net)
+    del out.layer[:]
+    for layer in net.layer:
+        if layer.include and layer.exclude:
+            raise ProtoError(
+                f"layer '{layer.name}': specify either include or exclude rules, not both")
+        if layer.include:
+            keep = any(state_meets_rule(state, r) for r in layer.include)
+        else:
+            keep = not any(state_meets_rule(state, r) for r in layer.exclude)
+        if keep:
+            out.layer.add().CopyFrom(layer)
+    return out
+
+
+# -- implicit splits -----------------------------------------------------------------------
+def split_layer_name(layer: str, blob: str, top_index: int) -> str:
+    return f"{blob}_{layer}_{top_index}_split"
+
+
+def split_blob_name(layer: str, blob: str, top_index: int, split_index: int) -> str:
+    return f"{blob}_{layer}_{top_index}_split_{split_index}"
+
+
+def insert_splits(net: pb.NetParameter) -> pb.NetParameter:
+    """Give every top consumed by several bottoms a Split layer with one top per consumer,
+    named as Caffe names them, so that the gradient of such a blob is the sum of its
+    consumers' gradients."""
+    last_top: dict[str, tuple[int, int]] = {}
+    source: dict[tuple[int, int], tuple[int, int]] = {}
+    consumers: dict[tuple[int, int], int] = defaultdict(int)
+    loss_weight: dict[tuple[int, int], float] = {}
+    names: dict[int, str] = {}
+    for i, layer in enumerate(net.layer):
+        names[i] = layer.name
+        for j, bottom in enumerate(layer.bottom):
+            if bottom not in last_top:
+                raise ProtoError(
+                    f"layer '{layer.name}' (type {layer.type}): unknown bottom blob "
+                    f"'{bottom}' (bottom {j}); no earlier layer has it as a top")
+            source[(i, j)] = last_top[bottom]
+            consumers[last_top[bottom]] += 1
+        for j, top in enumerate(layer.top):
+            last_top[top] = (i, j)
+            if j < len(layer.loss_weight) and layer.loss_weight[j]:
+                loss_weight[(i, j)] = layer.loss_weight[j]
+                consumers[(i, j)] += 1  # the loss counts as one consumer
+    if all(c <= 1 for c in consumers.values()):
+        return net
+    out = pb.NetParameter()
+    out.CopyFrom(net)
+    del out.layer[:]
+    next_split: dict[tuple[int, int], int] = defaultdict(int)
+    for i, layer in enumerate(net.layer):
+        new = out.layer.add()
+        new.CopyFrom(layer)
+        for j, bottom in enumerate(layer.bottom):
+            src = source[(i, j)]
+            if consumers[src] > 1:
+                new.bottom[j] = split_blob_name(names[src[0]], bottom, src[1], next_split[src])
+                next_split[src] += 1
+        for j, top in enumerate(layer.top):
+            n = consumers[(i, j)]
+            if n <= 1:
+                continue
+            split = pb.LayerParameter(
+                name=split_layer_name(layer.name, top, j), type="Split", bottom=[top],
+                top=[split_blob_name(layer.name, top, j, k) for k in range(n)])
+            w = loss_weight.get((i, j), 0.0)
+            if w:
+                # The loss moves to the split's first top, as in Caffe.
+                split.loss_weight.extend([w] + [0.0] * (n - 1))
+                new.ClearField("loss_weight")
+                next_split[(i, j)] += 1
+            out.layer.add().CopyFrom(split)
+    return out

@@ -1,0 +1,28 @@
+"""Whole-blob kernels: fill, copy, sum."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Array = Any
+
+
+def fill(y: Array, *, value: float) -> None:
+    y[...] = value
+
+
+def fill_random(y: Array, *, draw: Callable[[], Any]) -> None:
+    y[...] = draw()
+
+
+def copy(x: Array, y: Array) -> None:
+    y[...] = x
+
+
+def sum(*arrays: Array) -> None:  # noqa: A001 - the op is Caffe's Sum
+    """The last array is the output: the sum of all the others."""
+    *xs, y = arrays
+    y[...] = xs[0]
+    for x in xs[1:]:
+        y += x

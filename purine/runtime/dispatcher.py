@@ -1,0 +1,180 @@
+"""The event-driven dispatcher: an op is ready when the ops it depends on have finished;
+ready ops go to the worker thread of their location; a finished op releases its dependents.
+
+Storage belongs to the dispatcher: one array per blob, allocated on first use. Because every
+conflicting pair of ops is ordered by a derived edge, the result never depends on how the
+workers interleave, and equals a sequential run in program order bit for bit.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from purine.backend import allocate
+from purine.errors import PurineError
+from purine.graph import Blob, Graph, Location, Op
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    op: Op
+    start: float
+    end: float
+    thread: str
+
+
+class _Plan:
+    """Dependency counts and dependents of one op sequence, derived once and reused."""
+
+    def __init__(self, graph: Graph, ops: Sequence[Op]):
+        self.ops = tuple(ops)
+        deps = graph.dependencies(self.ops)
+        self.count = {o: len(d) for o, d in deps.items()}
+        self.dependents: dict[Op, list[Op]] = {o: [] for o in self.ops}
+        for o, d in deps.items():
+            for p in d:
+                self.dependents[p].append(o)
+        self.locations = {o.location for o in self.ops}
+
+
+class _Worker(threading.Thread):
+    def __init__(self, location: Location):
+        super().__init__(name=f"purine-{location}", daemon=True)
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def run(self) -> None:
+        while True:
+            job = self.inbox.get()
+            if job is None:
+                return
+            execute, op, done = job
+            try:
+                execute(op)
+                done.put((op, None))
+            except BaseException as e:  # reported to the dispatching thread
+                done.put((op, e))
+
+
+class Dispatcher:
+    """Runs ops of ``graph``; ``run(ops)`` runs a sub-sequence (e.g. forward only), whose
+    inputs written by no op in it are taken as ready."""
+
+    def __init__(self, graph: Graph, *, profile: bool = False):
+        self.graph = graph
+        self.arrays: dict[Blob, Any] = {}
+        self.profile = profile
+        self.trace: list[TraceEvent] = []
+        self._plans: dict[tuple[Op, ...], _Plan] = {}
+        self._workers: dict[Location, _Worker] = {}
+        self._bound: dict[Op, tuple[list[Any], list[Any]]] = {}
+
+    # -- storage ----------------------------------------------------------------------
+    def array(self, blob: Blob) -> Any:
+        a = self.arrays.get(blob)
+        if a is None:
+            a = self.arrays[blob] = allocate(blob.location, blob.shape, blob.dtype)
+        return a
+
+    def _args(self, op: Op) -> tuple[list[Any], list[Any]]:
+        args = self._bound.get(op)
+        if args is None:
+            args = ([self.array(b) for b in op.inputs], [self.array(b) for b in op.outputs])
+            self._bound[op] = args
+        return args
+
+    def release(self, blob: Blob) -> None:
+        """Forget a blob's storage (e.g. after its shape changed); re-allocated on use."""
+        self.arrays.pop(blob, None)
+        self._bound = {o: a for o, a in self._bound.items()
+                       if blob not in o.inputs and blob not in o.outputs}
+
+    # -- running ----------------------------------------------------------------------
+    def _execute(self, op: Op) -> None:
+        ins, outs = self._args(op)
+        if self.profile:
+            t0 = time.perf_counter()
+            op.kernel(ins, outs)
+            self.trace.append(
+                TraceEvent(op, t0, time.perf_counter(), threading.current_thread().name))
+        else:
+            op.kernel(ins, outs)
+
+    def _plan(self, ops: Sequence[Op] | None) -> _Plan:
+        key = tuple(self.graph.ops if ops is None else ops)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _Plan(self.graph, key)
+        return plan
+
+    def run_sequential(self, ops: Sequence[Op] | None = None) -> None:
+        """Run in program order in the calling thread: the reference schedule."""
+        for op in self._plan(ops).ops:
+            self._run_one(op)
+
+    def _run_one(self, op: Op) -> None:
+        try:
+            self._execute(op)
+        except PurineError as e:
+            _name_op(e, op)
+            raise
+
+    def run(self, ops: Sequence[Op] | None = None) -> None:
+        plan = self._plan(ops)
+        if len(plan.locations) <= 1:
+            # One worker: program order is already an order in which every op is ready.
+            self.run_sequential(plan.ops)
+            return
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        remaining = dict(plan.count)
+        in_flight = 0
+        failure: tuple[Op, BaseException] | None = None
+
+        def submit(o: Op) -> None:
+            nonlocal in_flight
+            in_flight += 1
+            self._worker(o.location).inbox.put((self._execute, o, done))
+
+        for o in plan.ops:
+            if remaining[o] == 0:
+                submit(o)
+        while in_flight:
+            op, err = done.get()
+            in_flight -= 1
+            if err is not None:
+                failure = failure or (op, err)
+            if failure is not None:
+                continue  # let in-flight ops finish, start nothing new
+            for d in plan.dependents[op]:
+                remaining[d] -= 1
+                if remaining[d] == 0:
+                    submit(d)
+        if failure is not None:
+            op, err = failure
+            if isinstance(err, PurineError):
+                _name_op(err, op)
+            raise err
+
+    def _worker(self, location: Location) -> _Worker:
+        w = self._workers.get(location)
+        if w is None:
+            w = self._workers[location] = _Worker(location)
+            w.start()
+        return w
+
+    def close(self) -> None:
+        for w in self._workers.values():
+            w.inbox.put(None)
+        self._workers.clear()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _name_op(err: PurineError, op: Op) -> None:
+    """Prefix a kernel's error with the op that raised it."""
+    err.args = (f"op '{op.name}': {err}",) + err.args[1:]
