@@ -72,7 +72,7 @@ def _len_field(number: int, payload: bytes | memoryview) -> list[bytes | memoryv
 
 def encode_blob(a: np.ndarray) -> bytes:
     """BlobProto bytes: ``shape`` (field 7) and packed float ``data`` (field 5)."""
-    a = np.ascontiguousarray(a, dtype="<f4")
+    a = np.asarray(a, dtype="<f4", order="C")
     dims = b"".join(_varint(int(d)) for d in a.shape)
     shape = b"".join(_len_field(1, dims)) if a.shape else b""
     parts = _len_field(7, shape) + _len_field(5, memoryview(a).cast("B"))
