@@ -1,0 +1,33 @@
+"""Log lines in Caffe's (glog's) format, ``I1121 05:17:00.123456  4242 file.py:88] message``,
+so tools written for Caffe logs read ours."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+_LEVELS = {logging.DEBUG: "I", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E",
+           logging.CRITICAL: "F"}
+
+
+class GlogFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        t = time.localtime(record.created)
+        micros = int((record.created % 1) * 1e6)
+        prefix = (f"{_LEVELS.get(record.levelno, 'I')}{t.tm_mon:02d}{t.tm_mday:02d} "
+                  f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}.{micros:06d} "
+                  f"{os.getpid():5d} {record.filename}:{record.lineno}] ")
+        return prefix + record.getMessage()
+
+
+def get_logger() -> logging.Logger:
+    log = logging.getLogger("purine")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(GlogFormatter())
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
