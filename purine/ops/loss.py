@@ -1,0 +1,220 @@
+"""Loss and accuracy kernels (Caffe's SoftmaxWithLoss, EuclideanLoss, SigmoidCrossEntropyLoss,
+HingeLoss, Accuracy), forward and backward side by side. A loss is a 0-d array; a backward
+kernel reads the loss's diff (the loss weight) and overwrites the bottom's diff."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from purine.backend import get_array_module
+from purine.errors import PurineError
+
+Array = Any
+
+# Caffe clamps probabilities at FLT_MIN before the log, whatever the Dtype.
+FLT_MIN = 1.1754943508222875e-38
+
+NORMALIZATIONS = ("FULL", "VALID", "BATCH_SIZE", "NONE")
+
+
+class LabelError(PurineError):
+    """A class label outside ``[0, classes)`` that is not the ignore_label."""
+
+
+# -- shared helpers ------------------------------------------------------------------------
+def _split(x: Array, axis: int) -> Array:
+    """``x`` viewed as (outer, classes, inner) around ``axis``."""
+    outer = 1
+    for d in x.shape[:axis]:
+        outer *= d
+    return x.reshape(outer, x.shape[axis], -1)
+
+
+def _class_labels(xp: Any, label: Array, outer: int, classes: int, inner: int,
+                  ignore_label: int | None) -> tuple[Array, Array]:
+    """The labels as (outer, inner) class indices and the mask of labels that count.
+    Caffe casts a label to int, which truncates toward zero; ignored positions get index 0
+    so that gathers stay in range, and the mask removes them."""
+    value = xp.trunc(label.reshape(outer, inner))
+    valid = xp.ones(value.shape, dtype=bool) if ignore_label is None else value != ignore_label
+    # A NaN label fails both comparisons and is reported as out of range.
+    bad = valid & ~((value >= 0) & (value < classes))
+    if bool(bad.any()):
+        first = int(bad.reshape(-1).argmax())
+        where = tuple(int(i) for i in _unravel(first, label.shape))
+        raw = float(label.reshape(-1)[first])
+        ignore = "" if ignore_label is None else f", and it is not the ignore_label {ignore_label}"
+        raise LabelError(f"label value {raw:g} at index {where} of the label blob "
+                         f"{tuple(label.shape)} is outside [0, {classes}){ignore} "
+                         f"({int(bad.sum())} bad label(s) in all)")
+    index = xp.where(valid, value, 0).astype(xp.int64)
+    return index, valid
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
+    out = []
+    for d in reversed(shape):
+        out.append(flat % d)
+        flat //= d
+    return out[::-1]
+
+
+def _normalizer(xp: Any, mode: str, valid: Array | None, full: int, batch: int,
+                dtype: Any) -> Any:
+    """Caffe's get_normalizer: the divisor of a loss, at least 1 so that a batch whose labels
+    are all ignored gives 0 rather than NaN."""
+    if mode == "FULL":
+        return float(max(full, 1))
+    if mode == "VALID":
+        if valid is None:
+            return float(max(full, 1))
+        return xp.maximum(valid.sum(dtype=dtype), 1)
+    if mode == "BATCH_SIZE":
+        return float(max(batch, 1))
+    if mode == "NONE":
+        return 1.0
+    raise PurineError(f"unknown loss normalization {mode!r}; expected one of {NORMALIZATIONS}")
+
+
+def _not_ignored(xp: Any, target: Array, ignore_label: int | None) -> Array | None:
+    if ignore_label is None:
+        return None
+    return xp.trunc(target) != ignore_label
+
+
+# -- SoftmaxWithLoss -----------------------------------------------------------------------
+def softmax_loss_forward(prob: Array, label: Array, loss: Array, *, axis: int,
+                         ignore_label: int | None = None, normalization: str = "VALID") -> None:
+    """``loss = -sum log(max(prob[label], FLT_MIN)) / normalizer`` over the labels that count;
+    ``prob`` is the softmax along ``axis``."""
+    xp = get_array_module(prob)
+    p3 = _split(prob, axis)
+    outer, classes, inner = p3.shape
+    index, valid = _class_labels(xp, label, outer, classes, inner, ignore_label)
+    picked = xp.take_along_axis(p3, index[:, None, :], axis=1)[:, 0, :]
+    nll = xp.where(valid, -xp.log(xp.maximum(picked, FLT_MIN)), 0)
+    loss[...] = nll.sum() / _normalizer(xp, normalization, valid, outer * inner, outer,
+                                        prob.dtype)
+
+
+def softmax_loss_backward(prob: Array, label: Array, dloss: Array, dx: Array, *, axis: int,
+                          ignore_label: int | None = None, normalization: str = "VALID") -> None:
+    """``dx = (prob - onehot(label)) * dloss / normalizer``, zero where the label is ignored."""
+    xp = get_array_module(prob)
+    p3, d3 = _split(prob, axis), _split(dx, axis)
+    outer, classes, inner = p3.shape
+    index, valid = _class_labels(xp, label, outer, classes, inner, ignore_label)
+    onehot = xp.arange(classes)[None, :, None] == index[:, None, :]
+    xp.subtract(p3, onehot, out=d3)
+    scale = dloss / _normalizer(xp, normalization, valid, outer * inner, outer, prob.dtype)
+    d3 *= xp.where(valid, scale, 0).astype(dx.dtype)[:, None, :]
+
+
+# -- EuclideanLoss -------------------------------------------------------------------------
+def euclidean_loss_forward(a: Array, b: Array, loss: Array) -> None:
+    """``loss = sum((a - b)^2) / num / 2`` with ``num = a.shape[0]``; ``b`` need only have
+    ``a``'s count (Caffe compares count(1))."""
+    diff = (a - b.reshape(a.shape)).reshape(-1)
+    loss[...] = diff.dot(diff) / a.shape[0] / 2
+
+
+def euclidean_loss_backward(a: Array, b: Array, dloss: Array, dx: Array, *,
+                            sign: float) -> None:
+    """``dx = sign * (a - b) * dloss / num``: sign +1 for the first bottom, -1 for the second."""
+    xp = get_array_module(a)
+    xp.subtract(a.reshape(dx.shape), b.reshape(dx.shape), out=dx)
+    dx *= (sign * dloss / dx.shape[0]).astype(dx.dtype)
+
+
+# -- SigmoidCrossEntropyLoss ---------------------------------------------------------------
+def sigmoid_cross_entropy_loss_forward(x: Array, target: Array, loss: Array, *,
+                                       ignore_label: int | None = None,
+                                       normalization: str = "BATCH_SIZE") -> None:
+    """Cross-entropy of ``sigmoid(x)`` against targets in [0, 1], in Caffe's stable form
+    ``log(1 + exp(-|x|)) - x * (target - [x >= 0])`` summed over the targets that count."""
+    xp = get_array_module(x)
+    t = target.reshape(x.shape)
+    valid = _not_ignored(xp, t, ignore_label)
+    per = xp.log1p(xp.exp(-xp.abs(x))) - x * (t - (x >= 0))
+    if valid is not None:
+        per = xp.where(valid, per, 0)
+    loss[...] = per.sum() / _normalizer(xp, normalization, valid, x.size, x.shape[0], x.dtype)
+
+
+def sigmoid_cross_entropy_loss_backward(x: Array, target: Array, dloss: Array, dx: Array, *,
+                                        ignore_label: int | None = None,
+                                        normalization: str = "BATCH_SIZE") -> None:
+    """``dx = (sigmoid(x) - target) * dloss / normalizer``, zero where the target is ignored."""
+    xp = get_array_module(x)
+    t = target.reshape(x.shape)
+    valid = _not_ignored(xp, t, ignore_label)
+    # tanh form of the sigmoid: no overflow for large |x| (Caffe's Sigmoid uses it too).
+    xp.tanh(x * 0.5, out=dx)
+    dx *= 0.5
+    dx += 0.5
+    dx -= t
+    scale = dloss / _normalizer(xp, normalization, valid, x.size, x.shape[0], x.dtype)
+    if valid is not None:
+        dx *= xp.where(valid, scale, 0).astype(dx.dtype)
+    else:
+        dx *= scale.astype(dx.dtype)
+
+
+# -- HingeLoss -----------------------------------------------------------------------------
+def _hinge_margins(x: Array, label: Array) -> tuple[Array, Array]:
+    """``max(0, 1 + s * x)`` with ``s`` = -1 at the label's entry and +1 elsewhere, and ``s``;
+    ``x`` is (num, dim) after flattening the axes after the first."""
+    xp = get_array_module(x)
+    num = x.shape[0]
+    x2 = x.reshape(num, -1)
+    dim = x2.shape[1]
+    index, _ = _class_labels(xp, label, num, dim, 1, None)
+    sign = xp.where(xp.arange(dim)[None, :] == index, -1, 1).astype(x.dtype)
+    return xp.maximum(1 + sign * x2, 0), sign
+
+
+def hinge_loss_forward(x: Array, label: Array, loss: Array, *, norm: str = "L1") -> None:
+    """L1: ``sum(margins) / num``; L2: ``sum(margins^2) / num``."""
+    t, _ = _hinge_margins(x, label)
+    t = t.reshape(-1)
+    total = t.sum() if norm == "L1" else t.dot(t)
+    loss[...] = total / x.shape[0]
+
+
+def hinge_loss_backward(x: Array, label: Array, dloss: Array, dx: Array, *,
+                        norm: str = "L1") -> None:
+    """L1: ``sign(margin) * s * dloss / num`` (0 where the margin is 0, as caffe_cpu_sign);
+    L2: ``2 * margin * s * dloss / num``."""
+    xp = get_array_module(x)
+    t, sign = _hinge_margins(x, label)
+    scale = (dloss / x.shape[0]).astype(dx.dtype)
+    d2 = dx.reshape(t.shape)
+    if norm == "L1":
+        xp.multiply(t > 0, sign, out=d2)
+    else:
+        xp.multiply(t, sign, out=d2)
+        d2 *= 2
+    d2 *= scale
+
+
+# -- Accuracy ------------------------------------------------------------------------------
+def accuracy_forward(x: Array, label: Array, accuracy: Array, *per_class: Array, axis: int,
+                     top_k: int = 1, ignore_label: int | None = None) -> None:
+    """The fraction of counted labels whose class is among the ``top_k`` best scores along
+    ``axis``; with a second output, that fraction per class (0 for a class with no labels).
+    As Caffe, a label is right when at most ``top_k`` classes (itself included) score at least
+    its score, so a tie counts against it."""
+    xp = get_array_module(x)
+    x3 = _split(x, axis)
+    outer, classes, inner = x3.shape
+    index, valid = _class_labels(xp, label, outer, classes, inner, ignore_label)
+    true_score = xp.take_along_axis(x3, index[:, None, :], axis=1)
+    at_least = (x3 >= true_score).sum(axis=1)
+    correct = valid & (at_least <= top_k)
+    count = valid.sum()
+    accuracy[...] = xp.where(count > 0, correct.sum() / xp.maximum(count, 1), 0)
+    if per_class:
+        member = (xp.arange(classes)[None, :, None] == index[:, None, :]) & valid[:, None, :]
+        nums = member.sum(axis=(0, 2))
+        hits = (member & correct[:, None, :]).sum(axis=(0, 2))
+        per_class[0][...] = xp.where(nums > 0, hits / xp.maximum(nums, 1), 0)
