@@ -1,14 +1,25 @@
-"""Elementwise activations (Caffe's neuron layers), forward and backward side by side."""
+"""Elementwise activations (Caffe's neuron layers), forward and backward side by side.
+
+Every kernel fills its output in place and tolerates ``y is x`` (in-place forward) and
+``dx is dy`` (in-place gradients): whatever a kernel still needs from an input is read into a
+temporary before the output is written.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from purine.backend import get_array_module
 
 Array = Any
 
+BNLL_THRESHOLD = 50.0
+"""Caffe clamps the BNLL input at this value before exp() in the backward pass."""
 
+
+# -- ReLU ----------------------------------------------------------------------------------
 def relu_forward(x: Array, y: Array, *, negative_slope: float = 0.0) -> None:
     xp = get_array_module(x)
     if negative_slope == 0:
@@ -24,3 +35,234 @@ def relu_backward(x: Array, dy: Array, dx: Array, *, negative_slope: float = 0.0
         xp.multiply(dy, x > 0, out=dx)
     else:
         xp.multiply(dy, xp.where(x > 0, 1, negative_slope).astype(dy.dtype), out=dx)
+
+
+# -- PReLU ---------------------------------------------------------------------------------
+def _per_channel(slope: Array, ndim: int) -> Array:
+    """The slope broadcast against an (N, C, ...) blob; a 0-d slope is channel-shared."""
+    if slope.ndim == 0:
+        return slope
+    return slope.reshape((1, -1) + (1,) * (ndim - 2))
+
+
+def prelu_forward(x: Array, slope: Array, y: Array) -> None:
+    """y = max(x, 0) + slope[c] * min(x, 0)."""
+    xp = get_array_module(x)
+    neg = xp.minimum(x, 0)
+    neg *= _per_channel(slope, x.ndim)
+    xp.maximum(x, 0, out=y)
+    y += neg
+
+
+def prelu_backward_data(x: Array, slope: Array, dy: Array, dx: Array) -> None:
+    """dx = dy * (x > 0 ? 1 : slope[c]); ``x`` is the original bottom."""
+    xp = get_array_module(x)
+    factor = xp.where(x > 0, xp.ones((), dtype=dx.dtype), _per_channel(slope, x.ndim))
+    xp.multiply(dy, factor, out=dx)
+
+
+def prelu_backward_slope(x: Array, dy: Array, dslope: Array) -> None:
+    """dslope[c] = sum over every axis but the channel of dy * x * (x <= 0)."""
+    xp = get_array_module(x)
+    t = xp.multiply(dy, x)
+    t *= x <= 0
+    if dslope.ndim == 0:
+        dslope[...] = t.sum()
+    else:
+        xp.sum(t, axis=(0,) + tuple(range(2, x.ndim)), out=dslope)
+
+
+# -- Sigmoid, TanH, ELU --------------------------------------------------------------------
+def sigmoid_forward(x: Array, y: Array) -> None:
+    """1 / (1 + e^-x) written through tanh, which neither overflows nor loses precision."""
+    xp = get_array_module(x)
+    xp.multiply(x, 0.5, out=y)
+    xp.tanh(y, out=y)
+    y *= 0.5
+    y += 0.5
+
+
+def sigmoid_backward(y: Array, dy: Array, dx: Array) -> None:
+    """dx = dy * y * (1 - y), from the top as Caffe does (right in place too)."""
+    t = 1 - y
+    t *= y
+    get_array_module(y).multiply(dy, t, out=dx)
+
+
+def tanh_forward(x: Array, y: Array) -> None:
+    get_array_module(x).tanh(x, out=y)
+
+
+def tanh_backward(y: Array, dy: Array, dx: Array) -> None:
+    """dx = dy * (1 - y^2), from the top as Caffe does."""
+    t = y * y
+    xp = get_array_module(y)
+    xp.subtract(1, t, out=t)
+    xp.multiply(dy, t, out=dx)
+
+
+def elu_forward(x: Array, y: Array, *, alpha: float) -> None:
+    """y = max(x, 0) + alpha * (exp(min(x, 0)) - 1)."""
+    xp = get_array_module(x)
+    neg = xp.minimum(x, 0)
+    xp.expm1(neg, out=neg)
+    neg *= alpha
+    xp.maximum(x, 0, out=y)
+    y += neg
+
+
+def elu_backward(x: Array, y: Array, dy: Array, dx: Array, *, alpha: float) -> None:
+    """dx = dy * (x > 0 ? 1 : alpha + y). ``x`` only gives the sign, so it may be the top
+    when alpha >= 0 (then y > 0 exactly where x > 0)."""
+    xp = get_array_module(x)
+    factor = xp.where(x > 0, xp.ones((), dtype=dx.dtype), y + alpha)
+    xp.multiply(dy, factor, out=dx)
+
+
+# -- AbsVal, BNLL, Threshold ---------------------------------------------------------------
+def absval_forward(x: Array, y: Array) -> None:
+    get_array_module(x).abs(x, out=y)
+
+
+def absval_backward(x: Array, dy: Array, dx: Array) -> None:
+    """dx = sign(x) * dy, with sign(0) = 0 as Caffe's caffe_cpu_sign."""
+    xp = get_array_module(x)
+    xp.multiply(dy, xp.sign(x), out=dx)
+
+
+def bnll_forward(x: Array, y: Array) -> None:
+    """log(1 + e^x) as Caffe's stable form: x > 0 ? x + log(1 + e^-x) : log(1 + e^x),
+    i.e. max(x, 0) + log1p(exp(-|x|))."""
+    xp = get_array_module(x)
+    t = xp.abs(x)
+    xp.negative(t, out=t)
+    xp.exp(t, out=t)
+    xp.log1p(t, out=t)
+    xp.maximum(x, 0, out=y)
+    y += t
+
+
+def bnll_backward(x: Array, dy: Array, dx: Array) -> None:
+    """dx = dy * e / (e + 1) with e = exp(min(x, 50)); ``x`` is the original bottom."""
+    xp = get_array_module(x)
+    e = xp.minimum(x, BNLL_THRESHOLD)
+    xp.exp(e, out=e)
+    d = e + 1
+    xp.divide(e, d, out=e)
+    xp.multiply(dy, e, out=dx)
+
+
+def threshold_forward(x: Array, y: Array, *, threshold: float) -> None:
+    """y = x > threshold ? 1 : 0 (Caffe defines no gradient)."""
+    y[...] = x > threshold
+
+
+# -- Power, Exp, Log -----------------------------------------------------------------------
+def power_forward(x: Array, y: Array, *, power: float, scale: float, shift: float) -> None:
+    """y = (shift + scale * x) ^ power; with power * scale == 0 the input is ignored, as in
+    Caffe: y = 1 for power 0, else shift ^ power."""
+    xp = get_array_module(x)
+    if power * scale == 0:
+        y[...] = 1.0 if power == 0 else float(np.power(np.float64(shift), power))
+        return
+    if scale != 1:
+        xp.multiply(x, scale, out=y)
+    elif y is not x:
+        y[...] = x
+    if shift != 0:
+        y += shift
+    if power != 1:
+        xp.power(y, power, out=y)
+
+
+def power_backward(x: Array, dy: Array, dx: Array, *, power: float, scale: float,
+                   shift: float) -> None:
+    """dx = dy * power * scale * (shift + scale * x) ^ (power - 1) for power not in {0, 1}
+    and scale != 0 (the other cases are ``power_backward_linear``); ``x`` is the original
+    bottom. Caffe divides y by (shift + scale * x) instead, which is the same number except
+    where the base is 0, where Caffe gets 0/0."""
+    xp = get_array_module(x)
+    base = xp.multiply(x, scale)
+    if shift != 0:
+        base += shift
+    if power != 2:
+        xp.power(base, power - 1, out=base)
+    base *= power * scale
+    xp.multiply(dy, base, out=dx)
+
+
+def power_backward_linear(dy: Array, dx: Array, *, diff_scale: float) -> None:
+    """Power's gradient when it does not depend on x: power == 1 gives dx = scale * dy;
+    power * scale == 0 gives dx = 0 whatever dy holds (Caffe sets it, no product)."""
+    if diff_scale == 0:
+        dx[...] = 0
+    else:
+        get_array_module(dy).multiply(dy, diff_scale, out=dx)
+
+
+def exp_forward(x: Array, y: Array, *, inner_scale: float, outer_scale: float) -> None:
+    """y = base ^ (shift + scale * x) = outer_scale * exp(inner_scale * x), with
+    inner_scale = ln(base) * scale and outer_scale = base ^ shift."""
+    xp = get_array_module(x)
+    if inner_scale == 1:
+        xp.exp(x, out=y)
+    else:
+        xp.multiply(x, inner_scale, out=y)
+        xp.exp(y, out=y)
+    if outer_scale != 1:
+        y *= outer_scale
+
+
+def exp_backward(y: Array, dy: Array, dx: Array, *, inner_scale: float) -> None:
+    """dx = dy * y * inner_scale, from the top as Caffe does (right in place too)."""
+    xp = get_array_module(y)
+    xp.multiply(dy, y, out=dx)
+    if inner_scale != 1:
+        dx *= inner_scale
+
+
+def log_forward(x: Array, y: Array, *, scale: float, shift: float, base_scale: float) -> None:
+    """y = log_base(shift + scale * x) = ln(shift + scale * x) * base_scale, with
+    base_scale = 1 / ln(base)."""
+    xp = get_array_module(x)
+    if scale == 1 and shift == 0:
+        xp.log(x, out=y)
+    else:
+        xp.multiply(x, scale, out=y)
+        if shift != 0:
+            y += shift
+        xp.log(y, out=y)
+    if base_scale != 1:
+        y *= base_scale
+
+
+def log_backward(x: Array, dy: Array, dx: Array, *, scale: float, shift: float,
+                 base_scale: float) -> None:
+    """dx = dy * scale * base_scale / (shift + scale * x); ``x`` is the original bottom."""
+    xp = get_array_module(x)
+    t = xp.multiply(x, scale)
+    if shift != 0:
+        t += shift
+    xp.divide(dy, t, out=dx)
+    if scale * base_scale != 1:
+        dx *= scale * base_scale
+
+
+# -- Dropout -------------------------------------------------------------------------------
+def dropout_forward(x: Array, y: Array, mask: Array, *, ratio: float,
+                    rng: np.random.Generator) -> None:
+    """Training-time dropout: mask ~ Bernoulli(1 - ratio), y = x * mask / (1 - ratio).
+
+    The mask is drawn from the layer's own host generator at every call (then moved to the
+    array's device), so a net gives the same masks on every device and thread schedule."""
+    xp = get_array_module(x)
+    mask[...] = xp.asarray(rng.random(x.shape) < 1.0 - ratio)
+    xp.multiply(x, mask, out=y)
+    y *= 1.0 / (1.0 - ratio)
+
+
+def dropout_backward(mask: Array, dy: Array, dx: Array, *, ratio: float) -> None:
+    """dx = dy * mask / (1 - ratio), through the mask the last forward drew."""
+    xp = get_array_module(dy)
+    xp.multiply(dy, mask, out=dx)
+    dx *= 1.0 / (1.0 - ratio)

@@ -1,21 +1,246 @@
-"""Builders of Caffe's neuron layers: elementwise, shape-preserving, usable in place."""
+"""Builders of Caffe's neuron layers: elementwise, shape-preserving, usable in place (except
+AbsVal, which Caffe forbids in place). A backward pass that needs the original bottom reads
+``L.saved(0)``, so in-place use stays right where Caffe's own layers would read the top."""
 
 from __future__ import annotations
 
+import math
+
+from purine.caffe import caffe_pb2 as pb
 from purine.caffe.layer import LayerBuild, register
+from purine.graph import Blob
 from purine.ops import activation as act
+from purine.ops import tensor
+
+
+def _neuron(L: LayerBuild) -> tuple[Blob, bool]:
+    """The bottom of a one-bottom, one-top neuron layer and whether the layer is in place."""
+    L.expect(1, 1)
+    return L.bottom(0), L.param.top[0] == L.param.bottom[0]
 
 
 @register("ReLU")
 def relu(L: LayerBuild):
-    L.expect(1, 1)
+    x, _ = _neuron(L)
     slope = L.param.relu_param.negative_slope
-    x = L.bottom(0)
+    # With slope >= 0 the top's sign is the bottom's sign, so the top serves, in place too
+    # (as in Caffe); a negative slope flips it, so keep the bottom (Caffe would read the top).
+    saved = L.saved(0) if slope < 0 else None
     y = L.top(0, x.shape)
+    sign = y if saved is None else saved
     L.forward(act.relu_forward, [x], [y], negative_slope=slope)
 
     def backward():
-        # The top's sign is the bottom's sign, so in-place use needs no saved copy.
-        L.backward(act.relu_backward, [y, L.top_diff(0)], [L.bottom_diff(0)],
-                   negative_slope=slope)
+        if L.needs_diff(0):
+            L.backward(act.relu_backward, [sign, L.top_diff(0)], [L.bottom_diff(0)],
+                       negative_slope=slope)
+    return backward
+
+
+@register("PReLU")
+def prelu(L: LayerBuild):
+    x, _ = _neuron(L)
+    p = L.param.prelu_param
+    if len(x.shape) < 2:
+        raise L.error(f"bottom '{x.name}' {x.shape} needs 2 or more axes (N, C, ...)")
+    # Caffe's channel-shared slope is a 0-axis blob; per-channel it is (C,).
+    shape = () if p.channel_shared else (x.shape[1],)
+    filler = p.filler if p.HasField("filler") else pb.FillerParameter(type="constant",
+                                                                        value=0.25)
+    slope = L.add_param(shape, filler)
+    src = L.saved(0)
+    y = L.top(0, x.shape)
+    L.forward(act.prelu_forward, [x, slope], [y])
+
+    def backward():
+        dy = L.top_diff(0)
+        # The slope gradient first: in place, the data gradient overwrites dy.
+        if L.needs_param_diff(0):
+            L.backward(act.prelu_backward_slope, [src, dy], [L.param_diff(0)])
+        if L.needs_diff(0):
+            L.backward(act.prelu_backward_data, [src, slope, dy], [L.bottom_diff(0)])
+    return backward
+
+
+@register("Sigmoid")
+def sigmoid(L: LayerBuild):
+    x, _ = _neuron(L)
+    y = L.top(0, x.shape)
+    L.forward(act.sigmoid_forward, [x], [y])
+
+    def backward():
+        if L.needs_diff(0):
+            L.backward(act.sigmoid_backward, [y, L.top_diff(0)], [L.bottom_diff(0)])
+    return backward
+
+
+@register("TanH")
+def tanh(L: LayerBuild):
+    x, _ = _neuron(L)
+    y = L.top(0, x.shape)
+    L.forward(act.tanh_forward, [x], [y])
+
+    def backward():
+        if L.needs_diff(0):
+            L.backward(act.tanh_backward, [y, L.top_diff(0)], [L.bottom_diff(0)])
+    return backward
+
+
+@register("ELU")
+def elu(L: LayerBuild):
+    x, _ = _neuron(L)
+    alpha = L.param.elu_param.alpha
+    # With alpha >= 0, y > 0 exactly where x > 0, so the top gives the sign, in place too
+    # (as in Caffe); a negative alpha breaks that, so keep the bottom.
+    saved = L.saved(0) if alpha < 0 else None
+    y = L.top(0, x.shape)
+    sign = y if saved is None else saved
+    L.forward(act.elu_forward, [x], [y], alpha=alpha)
+
+    def backward():
+        if L.needs_diff(0):
+            L.backward(act.elu_backward, [sign, y, L.top_diff(0)], [L.bottom_diff(0)],
+                       alpha=alpha)
+    return backward
+
+
+@register("AbsVal")
+def absval(L: LayerBuild):
+    x, in_place = _neuron(L)
+    if in_place:
+        raise L.error(f"does not allow in-place computation (top '{x.name}' is its bottom)")
+    y = L.top(0, x.shape)
+    L.forward(act.absval_forward, [x], [y])
+
+    def backward():
+        if L.needs_diff(0):
+            L.backward(act.absval_backward, [x, L.top_diff(0)], [L.bottom_diff(0)])
+    return backward
+
+
+@register("BNLL")
+def bnll(L: LayerBuild):
+    x, _ = _neuron(L)
+    src = L.saved(0)
+    y = L.top(0, x.shape)
+    L.forward(act.bnll_forward, [x], [y])
+
+    def backward():
+        if L.needs_diff(0):
+            L.backward(act.bnll_backward, [src, L.top_diff(0)], [L.bottom_diff(0)])
+    return backward
+
+
+@register("Threshold")
+def threshold(L: LayerBuild):
+    x, _ = _neuron(L)
+    y = L.top(0, x.shape)
+    L.forward(act.threshold_forward, [x], [y], threshold=L.param.threshold_param.threshold)
+
+    def backward():
+        if L.needs_diff(0):
+            raise L.error(f"has no backward pass (Caffe's Backward is not implemented), "
+                          f"but the net needs the gradient of its bottom '{x.name}' "
+                          "(force_backward, or a learning layer below it)")
+    return backward
+
+
+@register("Power")
+def power(L: LayerBuild):
+    x, in_place = _neuron(L)
+    p = L.param.power_param
+    k = dict(power=p.power, scale=p.scale, shift=p.shift)
+    diff_scale = p.power * p.scale
+    # With power 1, or power * scale 0, the gradient does not depend on x.
+    needs_x = diff_scale != 0 and p.power != 1
+    src = L.saved(0) if needs_x else x
+    y = L.top(0, x.shape)
+    L.forward(act.power_forward, [x], [y], **k)
+
+    def backward():
+        if not L.needs_diff(0):
+            return
+        dy, dx = L.top_diff(0), L.bottom_diff(0)
+        if needs_x:
+            L.backward(act.power_backward, [src, dy], [dx], **k)
+        else:
+            L.backward(act.power_backward_linear, [dy], [dx], diff_scale=diff_scale)
+    return backward
+
+
+def _ln_base(L: LayerBuild, what: str, base: float) -> float:
+    """ln(base), with Caffe's convention that base -1 means e."""
+    if base == -1:
+        return 1.0
+    if not base > 0:
+        raise L.error(f"{what}.base must be strictly positive (or -1 for e), got {base}")
+    ln = math.log(base)
+    if not math.isfinite(ln):
+        raise L.error(f"{what}.base {base} gives log(base) = {ln}")
+    return ln
+
+
+@register("Exp")
+def exp(L: LayerBuild):
+    x, _ = _neuron(L)
+    p = L.param.exp_param
+    inner_scale = _ln_base(L, "exp_param", p.base) * p.scale
+    if p.shift == 0:
+        outer_scale = 1.0
+    else:
+        outer_scale = math.exp(p.shift) if p.base == -1 else p.base ** p.shift
+    y = L.top(0, x.shape)
+    L.forward(act.exp_forward, [x], [y], inner_scale=inner_scale, outer_scale=outer_scale)
+
+    def backward():
+        if L.needs_diff(0):
+            L.backward(act.exp_backward, [y, L.top_diff(0)], [L.bottom_diff(0)],
+                       inner_scale=inner_scale)
+    return backward
+
+
+@register("Log")
+def log(L: LayerBuild):
+    x, _ = _neuron(L)
+    p = L.param.log_param
+    ln = _ln_base(L, "log_param", p.base)
+    if ln == 0:
+        raise L.error(f"log_param.base {p.base} gives log(base) = 0, so 1/log(base) is "
+                      "infinite")
+    k = dict(scale=p.scale, shift=p.shift, base_scale=1.0 / ln)
+    src = L.saved(0)
+    y = L.top(0, x.shape)
+    L.forward(act.log_forward, [x], [y], **k)
+
+    def backward():
+        if L.needs_diff(0):
+            L.backward(act.log_backward, [src, L.top_diff(0)], [L.bottom_diff(0)], **k)
+    return backward
+
+
+@register("Dropout")
+def dropout(L: LayerBuild):
+    x, in_place = _neuron(L)
+    ratio = L.param.dropout_param.dropout_ratio
+    if not 0 <= ratio < 1:
+        raise L.error(f"dropout_param.dropout_ratio must be in [0, 1), got {ratio}")
+    y = L.top(0, x.shape)
+    if L.phase != pb.TRAIN:
+        # TEST: the identity, a copy as in Caffe (nothing at all in place).
+        if not in_place:
+            L.forward(tensor.copy, [x], [y], op_type="DropoutForward")
+
+        def backward_test():
+            if L.needs_diff(0) and not in_place:
+                L.backward(tensor.copy, [L.top_diff(0)], [L.bottom_diff(0)],
+                           op_type="DropoutBackward")
+        return backward_test
+
+    mask = L.scratch("mask", x.shape, "uint8")
+    L.forward(act.dropout_forward, [x], [y, mask], ratio=ratio, rng=L.rng())
+
+    def backward():
+        if L.needs_diff(0):
+            L.backward(act.dropout_backward, [mask, L.top_diff(0)], [L.bottom_diff(0)],
+                       ratio=ratio)
     return backward
