@@ -41,11 +41,12 @@ def check_gradients(
     seed: int = 0,
 ) -> Net:
     """Check d(objective)/d(bottom) for the bottoms in ``check`` (default: all) and for
-    every parameter blob of the layer. Returns the net for further assertions."""
+    every parameter blob of the layer; the objective weighs ``tops`` (default: the layer's
+    tops). Returns the net, holding the forward values of ``bottoms``."""
     shapes = {n: np.asarray(v).shape for n, v in bottoms.items()}
     net = Net(layer_net(layer, shapes), phase=phase, dtype="float64", seed=seed)
     rng = np.random.default_rng(seed + 1)
-    top_names = list(tops or net.outputs)
+    top_names = list(tops or net.builder.layers[-1].param.top)
     loss_w = {t.name: w for t, w in net.builder.loss_tops}
     inputs = {n: np.asarray(v, dtype=np.float64) for n, v in bottoms.items()}
 
@@ -84,4 +85,5 @@ def check_gradients(
         want = numeric(v.data)
         np.testing.assert_allclose(analytic_params[name], want, rtol=rtol, atol=atol,
                                    err_msg=f"gradient of parameter {name}")
+    run()  # leave the net holding the unperturbed inputs' values
     return net

@@ -81,6 +81,7 @@ class LayerBuild:
         self.bottom_need: list[bool] = []
         self.param_need: list[bool] = []
         self._saved: dict[int, Blob] = {}
+        self.save_ops: list[Op] = []  # dropped again when no backward pass needs them
 
     # -- checks and errors ------------------------------------------------------------
     def error(self, message: str) -> LayerError:
@@ -147,7 +148,7 @@ class LayerBuild:
             return b
         if i not in self._saved:
             s = self.net.graph.blob(f"{self.name}@saved{i}", b.shape, b.dtype, b.location)
-            self.forward(tensor.copy, [b], [s], op_type="Copy")
+            self.save_ops.append(self.forward(tensor.copy, [b], [s], op_type="Copy"))
             self._saved[i] = s
         return self._saved[i]
 

@@ -159,6 +159,9 @@ class NetBuilder:
         for L, backward in zip(reversed(self.layers), reversed(backwards)):
             if backward is not None and any(L.bottom_need + L.param_need):
                 backward()
+            elif L.save_ops:  # nothing will read the copies taken for backward
+                self.graph.remove_ops(L.save_ops)
+                L.forward_ops = [op for op in L.forward_ops if op not in L.save_ops]
         self._sum_shared_diffs()
         self.graph.validate()
 
@@ -302,8 +305,12 @@ class Net:
                 self.params[L.name] = [
                     BlobView(self, p.name, p, b._diff_of_param(p)) for p in L.params]
         self.inputs = [t for L in b.layers if L.type == "Input" for t in L.param.top]
-        consumed = {bt for L in b.layers for bt in L.param.bottom}
-        self.outputs = [n for n in b.blob_names if n not in consumed]
+        available: dict[str, None] = {}  # Caffe's rule: what no later layer consumed
+        for L in b.layers:
+            for bt in L.param.bottom:
+                available.pop(bt, None)
+            available.update(dict.fromkeys(L.param.top))
+        self.outputs = list(available)
         self._forward_ops = [op for L in b.layers for op in L.forward_ops]
         self._backward_ops = b.seed_ops + [op for L in reversed(b.layers)
                                            for op in L.backward_ops]

@@ -166,6 +166,12 @@ class Graph:
             )
         return mapped
 
+    def remove_ops(self, ops: Iterable[Op]) -> None:
+        """Drop ops (e.g. copies a pass turned out not to need); their blobs stay."""
+        gone = set(ops)
+        self.ops = [o for o in self.ops if o not in gone]
+        self._op_names -= {o.name for o in gone}
+
     # -- queries ----------------------------------------------------------------------
     def has_op(self, name: str) -> bool:
         return name in self._op_names
