@@ -21,3 +21,8 @@ class LayerError(PurineError):
         super().__init__(f"layer '{layer_name}' (type {layer_type}): {message}")
         self.layer_name = layer_name
         self.layer_type = layer_type
+
+
+class LabelError(PurineError):
+    """A class label outside ``[0, classes)`` that is not the ignore_label (found at run
+    time by a loss kernel)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from purine.backend import get_array_module
-from purine.errors import PurineError
+from purine.errors import LabelError, PurineError
 
 Array = Any
 
@@ -15,10 +15,6 @@ Array = Any
 FLT_MIN = 1.1754943508222875e-38
 
 NORMALIZATIONS = ("FULL", "VALID", "BATCH_SIZE", "NONE")
-
-
-class LabelError(PurineError):
-    """A class label outside ``[0, classes)`` that is not the ignore_label."""
 
 
 # -- shared helpers ------------------------------------------------------------------------

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from purine.caffe import TEST, TRAIN, Net
-from purine.errors import LayerError, PurineError
-from purine.ops.loss import LabelError
+from purine.errors import LabelError, LayerError, PurineError
 from tests.gradcheck import check_gradients, layer_net
 
 RNG = np.random.default_rng(1234)
