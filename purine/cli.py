@@ -23,8 +23,7 @@ def cmd_time(args: argparse.Namespace) -> int:
     from purine.timing import time_net
 
     log = get_logger()
-    if args.gpu:
-        raise PurineError("--gpu: the GPU backend is not available yet; run without --gpu")
+    _no_gpu(args)
     net = Net(args.model, phase=TRAIN, level=args.level, stages=_stages(args.stage),
               threads=args.threads)
     log.info("Performing Forward")
@@ -49,6 +48,84 @@ def cmd_time(args: argparse.Namespace) -> int:
     return 0
 
 
+def _no_gpu(args: argparse.Namespace) -> None:
+    if getattr(args, "gpu", None):
+        raise PurineError(f"--gpu {args.gpu}: the GPU backend is not available yet; "
+                          "run without --gpu to use the CPU")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from purine.caffe.solver import SignalHandler, Solver, read_solver
+
+    log = get_logger()
+    _no_gpu(args)
+    if args.weights and args.snapshot:
+        raise PurineError("give --snapshot to resume training or --weights to fine-tune, "
+                          "not both")
+    param = read_solver(args.solver)
+    if param.solver_mode == param.GPU:
+        log.warning("solver_mode is GPU but the GPU backend is not available yet; "
+                    "training on the CPU")
+    if args.level is not None:
+        param.train_state.level = args.level
+    param.train_state.stage.extend(_stages(args.stage))
+    if args.iterations is not None:
+        param.max_iter = args.iterations
+    solver = Solver(param, path=args.solver, threads=args.threads, log=log)
+    for w in (args.weights or "").split(","):
+        if w:
+            log.info("Finetuning from %s", w)
+            solver.net.copy_from(w)
+    with SignalHandler(args.sigint_effect, args.sighup_effect) as signals:
+        solver.requested = signals
+        solver.solve(resume=args.snapshot)
+    return 0
+
+
+def cmd_test(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from purine.caffe import TEST, Net
+
+    log = get_logger()
+    _no_gpu(args)
+    net = Net(args.model, phase=TEST, level=args.level or 0, stages=_stages(args.stage))
+    if args.weights:
+        net.copy_from(args.weights)
+    else:
+        log.warning("no --weights given: testing the net's initial weights")
+    log.info("Running for %d iterations.", args.iterations)
+    weights = dict(net.builder.loss_tops)
+    sums: dict[str, np.ndarray] = {}
+    loss = 0.0
+    for i in range(args.iterations):
+        out = net.forward()
+        loss += net.loss
+        for name, v in out.items():
+            v = np.asarray(v, dtype=np.float64).ravel()
+            sums[name] = sums.get(name, 0) + v
+            for k, x in enumerate(v):
+                label = name if v.size == 1 else f"{name}[{k}]"
+                log.info("Batch %d, %s = %g", i, label, x)
+    n = max(1, args.iterations)
+    log.info("Loss: %g", loss / n)
+    for name, total in sums.items():
+        w = weights.get(net.builder.data[name], 0.0)
+        for x in total / n:
+            extra = f" (* {w:g} = {w * x:g} loss)" if w else ""
+            log.info("%s = %g%s", name, x, extra)
+    return 0
+
+
+def cmd_device_query(args: argparse.Namespace) -> int:
+    import os
+
+    log = get_logger()
+    log.info("CPU: %d cores (numpy backend)", os.cpu_count() or 1)
+    log.info("GPU: the GPU backend is not available yet")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="purine-caffe",
@@ -66,6 +143,36 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "threads", type=int, default=1,
           help="spread the ops over this many dispatcher worker threads")
     p.set_defaults(run=cmd_time)
+
+    p = sub.add_parser("train", help="train a model from a solver prototxt")
+    _flag(p, "solver", required=True, help="the solver prototxt")
+    _flag(p, "weights", default=None,
+          help="comma-separated .caffemodel files to fine-tune from (copied by layer name)")
+    _flag(p, "snapshot", default=None, help="a .solverstate to resume training from")
+    _flag(p, "gpu", default=None, help="GPU ids (the GPU backend is not available yet)")
+    _flag(p, "iterations", type=int, default=None, help="override the solver's max_iter")
+    _flag(p, "sigint_effect", default="stop", choices=["stop", "snapshot", "none"],
+          help="what Ctrl-C does (default stop)")
+    _flag(p, "sighup_effect", default="snapshot", choices=["stop", "snapshot", "none"],
+          help="what SIGHUP does (default snapshot)")
+    _flag(p, "level", type=int, default=None, help="the train net's NetState level")
+    _flag(p, "stage", default=None, help="comma-separated stages added to the train net")
+    _flag(p, "threads", type=int, default=1,
+          help="spread the ops over this many dispatcher worker threads")
+    p.set_defaults(run=cmd_train)
+
+    p = sub.add_parser("test", help="score a model: run the TEST net and average outputs")
+    _flag(p, "model", required=True, help="the net prototxt")
+    _flag(p, "weights", default=None, help="the .caffemodel to test")
+    _flag(p, "iterations", type=int, default=50, help="batches to run (default 50)")
+    _flag(p, "gpu", default=None, help="GPU ids (the GPU backend is not available yet)")
+    _flag(p, "level", type=int, default=None, help="NetState level")
+    _flag(p, "stage", default=None, help="comma-separated NetState stages")
+    p.set_defaults(run=cmd_test)
+
+    p = sub.add_parser("device_query", help="show the devices purine-caffe can use")
+    _flag(p, "gpu", default=None, help="GPU ids to query")
+    p.set_defaults(run=cmd_device_query)
     return parser
 
 

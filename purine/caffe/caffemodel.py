@@ -54,7 +54,7 @@ def load_weights(path: str | os.PathLike) -> dict[str, list[np.ndarray]]:
 
 
 # -- encoding --------------------------------------------------------------------------
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
     out = bytearray()
     while True:
         b = n & 0x7F
@@ -66,16 +66,16 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _len_field(number: int, payload: bytes | memoryview) -> list[bytes | memoryview]:
-    return [_varint(number << 3 | 2), _varint(len(payload)), payload]
+def len_field(number: int, payload: bytes | memoryview) -> list[bytes | memoryview]:
+    return [varint(number << 3 | 2), varint(len(payload)), payload]
 
 
 def encode_blob(a: np.ndarray) -> bytes:
     """BlobProto bytes: ``shape`` (field 7) and packed float ``data`` (field 5)."""
     a = np.asarray(a, dtype="<f4", order="C")
-    dims = b"".join(_varint(int(d)) for d in a.shape)
-    shape = b"".join(_len_field(1, dims)) if a.shape else b""
-    parts = _len_field(7, shape) + _len_field(5, memoryview(a).cast("B"))
+    dims = b"".join(varint(int(d)) for d in a.shape)
+    shape = b"".join(len_field(1, dims)) if a.shape else b""
+    parts = len_field(7, shape) + len_field(5, memoryview(a).cast("B"))
     return b"".join(parts)
 
 
@@ -83,12 +83,12 @@ def encode_net(name: str, layers: Iterable[pb.LayerParameter],
                params: Mapping[str, Sequence[np.ndarray]]) -> bytes:
     parts: list[bytes | memoryview] = []
     if name:
-        parts += _len_field(1, name.encode())
+        parts += len_field(1, name.encode())
     for layer in layers:
         body = [layer.SerializeToString()]
         for a in params.get(layer.name, ()):
-            body += _len_field(7, encode_blob(a))
-        parts += _len_field(100, b"".join(body))
+            body += len_field(7, encode_blob(a))
+        parts += len_field(100, b"".join(body))
     return b"".join(parts)
 
 

@@ -110,14 +110,20 @@ class NetBuilder:
     def param_diff(self, layer: LayerBuild, k: int) -> Blob:
         b = layer.params[k]
         if len(self._param_uses[b]) == 1:
-            return self._diff_of_param(b)
+            return self.param_grad(b)
         key = (layer.name, k)
         if key not in self._use_diffs:
             self._use_diffs[key] = self.graph.blob(f"{layer.name}[{k}]@diff", b.shape,
                                                    b.dtype, b.location)
         return self._use_diffs[key]
 
-    def _diff_of_param(self, b: Blob) -> Blob:
+    @property
+    def learnable_params(self) -> list[Blob]:
+        """Parameter blobs that own their storage, in Caffe's learnable_params order."""
+        return list(self._param_uses)
+
+    def param_grad(self, b: Blob) -> Blob:
+        """The gradient of parameter ``b``, summed over every layer that uses it."""
         name = f"{b.name}@diff"
         if name in self.graph.blobs:
             return self.graph.blobs[name]
@@ -218,7 +224,7 @@ class NetBuilder:
             if parts:
                 owner = uses[0][0]
                 op = self.graph.op(f"{b.name}/SumSharedDiff", "Sum", parts,
-                                   [self._diff_of_param(b)], kernel(tensor.sum), self.location)
+                                   [self.param_grad(b)], kernel(tensor.sum), self.location)
                 owner.backward_ops.append(op)
 
 
@@ -283,6 +289,7 @@ class Net:
         self._level, self._stages, self._seed, self._threads = level, tuple(stages), seed, threads
         self._dtype = dtype
         self._input_shapes: dict[str, tuple[int, ...]] = {}
+        self._shared_with: Net | None = None
         self._build()
         if weights is not None:
             self.copy_from(weights)
@@ -303,7 +310,7 @@ class Net:
         for L in b.layers:
             if L.params:
                 self.params[L.name] = [
-                    BlobView(self, p.name, p, b._diff_of_param(p)) for p in L.params]
+                    BlobView(self, p.name, p, b.param_grad(p)) for p in L.params]
         self.inputs = [t for L in b.layers if L.type == "Input" for t in L.param.top]
         available: dict[str, None] = {}  # Caffe's rule: what no later layer consumed
         for L in b.layers:
@@ -373,10 +380,30 @@ class Net:
         params = {p.name: self.dispatcher.array(p).copy() for ps in self.builder.layers
                   for p in ps.params}
         self._build()
+        if self._shared_with is not None:
+            self.share_with(self._shared_with)
+            return
         for ps in self.builder.layers:
             for p in ps.params:
                 if p.name in params:
                     self.dispatcher.array(p)[...] = params[p.name]
+
+    def share_with(self, other: Net) -> None:
+        """Use ``other``'s parameter arrays for the layers both nets have, by name (Caffe's
+        ShareTrainedLayersWith: a test net sees the train net's weights without a copy)."""
+        for name, views in self.params.items():
+            theirs = other.params.get(name)
+            if theirs is None:
+                continue
+            if len(theirs) != len(views):
+                raise PurineError(f"layer '{name}' has {len(views)} parameter blobs here and "
+                                  f"{len(theirs)} in net '{other.model.name}'")
+            for k, (mine, src) in enumerate(zip(views, theirs)):
+                if mine.shape != src.shape:
+                    raise PurineError(f"layer '{name}' parameter {k} has shape {mine.shape} "
+                                      f"here and {src.shape} in net '{other.model.name}'")
+                self.dispatcher.bind(mine._data, src.data)
+        self._shared_with = other
 
     # -- weights -----------------------------------------------------------------------
     def copy_from(self, path: str | os.PathLike) -> None:

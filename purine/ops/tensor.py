@@ -26,3 +26,12 @@ def sum(*arrays: Array) -> None:  # noqa: A001 - the op is Caffe's Sum
     y[...] = xs[0]
     for x in xs[1:]:
         y += x
+
+
+def accumulate(x: Array, acc: Array, acc_out: Array) -> None:
+    """acc += x (``acc_out`` is ``acc``)."""
+    acc_out += x
+
+
+def add_scalar(x: Array, y: Array, *, value: float) -> None:
+    y[...] = x + value

@@ -80,6 +80,14 @@ class Dispatcher:
             a = self.arrays[blob] = allocate(blob.location, blob.shape, blob.dtype)
         return a
 
+    def bind(self, blob: Blob, array: Any) -> None:
+        """Give ``blob`` existing storage (e.g. a parameter another net owns)."""
+        if tuple(array.shape) != blob.shape:
+            raise PurineError(f"cannot bind blob '{blob.name}' {blob.shape} to an array of "
+                              f"shape {tuple(array.shape)}")
+        self.release(blob)
+        self.arrays[blob] = array
+
     def _args(self, op: Op) -> tuple[list[Any], list[Any]]:
         args = self._bound.get(op)
         if args is None:

@@ -1,0 +1,411 @@
+"""Caffe's solvers as graph ops, and the training loop around them.
+
+The update is a subgraph appended to the train net's graph: an op turns the iteration blob
+into the learning-rate blob; per learnable parameter, ops clip, normalise, regularise and
+apply Caffe's update rule in place; a last op advances the iteration. One dispatcher run of
+forward + backward + update ops is one iteration, so a parameter's update can start as soon
+as its gradient exists.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from purine.caffe import caffe_pb2 as pb
+from purine.caffe.caffemodel import atomic_write, blob_to_array, encode_blob, len_field
+from purine.caffe.layer import kernel
+from purine.caffe.net import TEST, TRAIN, Net
+from purine.caffe.prototxt import parse_text, read_message, read_net
+from purine.errors import ProtoError, PurineError
+from purine.graph import Blob, Op
+from purine.log import get_logger
+from purine.ops import solver as so
+from purine.ops import tensor
+
+
+class DivergenceError(PurineError):
+    """The loss became NaN or infinite."""
+
+
+def read_solver(source: str | os.PathLike | pb.SolverParameter) -> pb.SolverParameter:
+    """A SolverParameter from a path, a prototxt string or a message; the legacy
+    ``solver_type`` enum becomes the ``type`` string, as Caffe's upgrade does."""
+    if isinstance(source, pb.SolverParameter):
+        param = pb.SolverParameter()
+        param.CopyFrom(source)
+    elif isinstance(source, str) and not os.path.exists(source) and "\n" in source:
+        param = parse_text(source, pb.SolverParameter())
+    else:
+        param = read_message(source, pb.SolverParameter())
+    if param.HasField("solver_type"):
+        if param.HasField("type") and param.type != so.SOLVER_TYPE_NAMES[param.solver_type]:
+            raise ProtoError(f"solver: both type '{param.type}' and solver_type "
+                             f"{param.solver_type} are given and they disagree")
+        param.type = so.SOLVER_TYPE_NAMES[param.solver_type]
+        param.ClearField("solver_type")
+    if param.type not in so.SOLVERS:
+        raise ProtoError(f"solver: unknown type '{param.type}'; expected one of "
+                         + ", ".join(so.SOLVERS))
+    return param
+
+
+def _resolve(path: str, base: str) -> str:
+    """Net paths in a solver are relative to the working directory, as in Caffe; fall back
+    to the solver file's directory when that is where the file is."""
+    if os.path.isabs(path) or os.path.exists(path) or not base:
+        return path
+    alt = os.path.join(base, path)
+    return alt if os.path.exists(alt) else path
+
+
+@dataclass
+class _ParamUpdate:
+    param: Blob
+    grad: Blob
+    history: list[Blob] = field(default_factory=list)
+
+
+class Solver:
+    """``Solver(solver_prototxt)``: the train net, its test nets sharing its weights, the
+    update subgraph, and ``step`` / ``solve`` / ``snapshot`` / ``restore``."""
+
+    def __init__(self, source: str | os.PathLike | pb.SolverParameter, *,
+                 level: int | None = None, stages: Sequence[str] | None = None,
+                 threads: int = 1, log=None, path: str | None = None):
+        if path is None:
+            path = os.fspath(source) if isinstance(source, str | os.PathLike) else ""
+        self.path = path
+        self.param = p = read_solver(source)
+        self.log = log or get_logger()
+        base = os.path.dirname(self.path)
+        seed = p.random_seed if p.random_seed >= 0 else int.from_bytes(os.urandom(4), "little")
+        self.seed = seed
+        train_param, test_params = self._net_params(base)
+
+        def state(s: pb.NetState) -> tuple[int, list[str]]:
+            return (s.level if level is None else level,
+                    list(s.stage) if stages is None else list(stages))
+
+        lv, st = state(p.train_state)
+        self.net = Net(train_param, phase=TRAIN, level=lv, stages=st, seed=seed,
+                       threads=threads)
+        self.test_nets: list[Net] = []
+        for i, tp in enumerate(test_params):
+            s = p.test_state[i] if i < len(p.test_state) else pb.NetState()
+            lv, st = state(s)
+            tn = Net(tp, phase=TEST, level=lv, stages=st, seed=seed, threads=threads)
+            tn.share_with(self.net)
+            self.test_nets.append(tn)
+        self._build_update()
+        self.smoothed: deque[float] = deque(maxlen=max(1, p.average_loss))
+        self.requested: Callable[[], str] = lambda: "none"
+
+    # -- nets ----------------------------------------------------------------------------
+    def _net_params(self, base: str) -> tuple[pb.NetParameter, list[pb.NetParameter]]:
+        p = self.param
+        given = [f for f in ("net", "net_param", "train_net", "train_net_param") if p.HasField(f)]
+        if len(given) != 1:
+            raise ProtoError(f"solver {self.path or ''}: give exactly one of net, net_param, "
+                             f"train_net, train_net_param (found: {', '.join(given) or 'none'})")
+        which = given[0]
+        if which in ("net", "train_net"):
+            train = read_net(_resolve(getattr(p, which), base))
+        else:
+            train = read_net(getattr(p, which))
+        tests = [read_net(tp) for tp in p.test_net_param]
+        tests += [read_net(_resolve(t, base)) for t in p.test_net]
+        generic = p.HasField("net") or p.HasField("net_param")
+        n_test = len(tests) + (max(0, len(p.test_iter) - len(tests)) if generic else 0)
+        if len(p.test_iter) != n_test:
+            raise ProtoError(f"solver {self.path}: {len(p.test_iter)} test_iter values for "
+                             f"{n_test} test nets; give one test_iter per test net")
+        while len(tests) < n_test:
+            tests.append(train)
+        if len(p.test_state) not in (0, n_test):
+            raise ProtoError(f"solver {self.path}: {len(p.test_state)} test_state values for "
+                             f"{n_test} test nets")
+        return train, tests
+
+    # -- the update subgraph -----------------------------------------------------------
+    def _build_update(self) -> None:
+        p, net = self.param, self.net
+        b, g = net.builder, net.graph
+        loc = b.location
+        self._it = g.blob("solver/iter", (), "float64", loc)
+        self._lr = g.blob("solver/lr", (), "float64", loc)
+        ops: list[Op] = []
+
+        def op(name: str, fn, ins, outs, **params) -> Op:
+            o = g.op(f"solver/{name}", fn.__name__, ins, outs, kernel(fn, **params), loc)
+            ops.append(o)
+            return o
+
+        op("lr", so.learning_rate, [self._it], [self._lr], **self._lr_params())
+        kernel_fn, n_hist = so.SOLVERS[p.type]
+        self.updates: list[_ParamUpdate] = []
+        for w in b.learnable_params:
+            u = _ParamUpdate(w, b.param_grad(w))
+            u.history = [g.blob(f"solver/{w.name}@history{k}", w.shape, w.dtype, loc)
+                         for k in range(n_hist)]
+            self.updates.append(u)
+        active = [u for u in self.updates if u.param.meta["lr_mult"] != 0]
+
+        # iter_size > 1: gradients are summed into accumulators over the passes.
+        self.zero_ops: list[Op] = []
+        self.accumulate_ops: list[Op] = []
+        grads = {u.param: u.grad for u in active}
+        if p.iter_size > 1:
+            for u in active:
+                acc = g.blob(f"solver/{u.param.name}@accumulated", u.param.shape,
+                             u.param.dtype, loc)
+                self.zero_ops.append(g.op(f"solver/{u.param.name}/zero", "Fill", [], [acc],
+                                          kernel(tensor.fill, value=0.0), loc))
+                self.accumulate_ops.append(g.op(
+                    f"solver/{u.param.name}/accumulate", "Accumulate", [u.grad, acc], [acc],
+                    kernel(tensor.accumulate), loc))
+                grads[u.param] = acc
+        scale = g.blob("solver/clip_scale", (), "float64", loc)
+        if p.clip_gradients >= 0:
+            op("clip", so.gradient_scale, [grads[u.param] for u in active], [scale],
+               clip=p.clip_gradients)
+        else:
+            op("clip", tensor.fill, [], [scale], value=1.0)
+        reg = p.regularization_type
+        for u in active:
+            w, gr = u.param, grads[u.param]
+            op(f"{w.name}/prepare", so.prepare_gradient, [w, gr, scale], [gr],
+               iter_size=p.iter_size, decay=p.weight_decay * w.meta["decay_mult"],
+               regularization=reg)
+            ins = [gr, self._lr] + ([self._it] if p.type == "Adam" else []) + [w] + u.history
+            op(f"{w.name}/update", kernel_fn, ins, [w] + u.history, lr_mult=w.meta["lr_mult"],
+               **self._rule_params())
+        op("next_iter", tensor.add_scalar, [self._it], [self._it], value=1.0)
+        self.update_ops = ops
+
+    def _lr_params(self) -> dict:
+        p = self.param
+        return dict(policy=p.lr_policy, base_lr=p.base_lr, gamma=p.gamma, power=p.power,
+                    stepsize=p.stepsize, stepvalues=tuple(p.stepvalue), max_iter=p.max_iter)
+
+    def _rule_params(self) -> dict:
+        p = self.param
+        if p.type in ("SGD", "Nesterov"):
+            return dict(momentum=p.momentum)
+        if p.type == "AdaGrad":
+            return dict(delta=p.delta)
+        if p.type == "RMSProp":
+            return dict(rms_decay=p.rms_decay, delta=p.delta)
+        if p.type == "AdaDelta":
+            return dict(momentum=p.momentum, delta=p.delta)
+        return dict(beta1=p.momentum, beta2=p.momentum2, delta=p.delta)
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def iter(self) -> int:
+        return int(self.net.dispatcher.array(self._it))
+
+    @iter.setter
+    def iter(self, value: int) -> None:
+        self.net.dispatcher.array(self._it)[...] = value
+
+    @property
+    def lr(self) -> float:
+        return so.rate(it=self.iter, **self._lr_params())
+
+    # -- running -------------------------------------------------------------------------
+    def _iteration(self) -> float:
+        """One iteration: iter_size forward/backward passes, then the update. Returns the
+        loss averaged over the passes."""
+        net, d = self.net, self.net.dispatcher
+        n = self.param.iter_size
+        loss = 0.0
+        if n == 1:
+            d.run(net._forward_ops + net._backward_ops + self.update_ops)
+            return net.loss
+        d.run(self.zero_ops)
+        for _ in range(n):
+            d.run(net._forward_ops + net._backward_ops + self.accumulate_ops)
+            loss += net.loss
+        d.run(self.update_ops)
+        return loss / n
+
+    def step(self, iters: int) -> None:
+        p, log = self.param, self.log
+        stop = self.iter + iters
+        t_start, it_start = time.perf_counter(), self.iter
+        while self.iter < stop:
+            if p.test_interval and self.iter % p.test_interval == 0 and (
+                    self.iter > 0 or p.test_initialization):
+                self.test_all()
+            display = p.display and self.iter % p.display == 0
+            loss = self._iteration()
+            it = self.iter - 1  # the update op advanced the counter
+            if not math.isfinite(loss):
+                raise DivergenceError(f"iteration {it}: the loss is {loss}; training stopped "
+                                      "(the last snapshot is intact)")
+            self.smoothed.append(loss)
+            if display:
+                lapse = time.perf_counter() - t_start
+                per_s = (it + 1 - it_start) / lapse if lapse > 0 else 0.0
+                log.info("Iteration %d (%g iter/s, %.3fs/%d iters), loss = %g", it, per_s,
+                         lapse, p.display, sum(self.smoothed) / len(self.smoothed))
+                t_start, it_start = time.perf_counter(), it + 1
+                self._log_outputs(self.net, "Train", None)
+                log.info("Iteration %d, lr = %g", it, so.rate(it=it, **self._lr_params()))
+            if p.snapshot and self.iter % p.snapshot == 0:
+                self.snapshot()
+            action = self.requested()
+            if action == "snapshot":
+                self.snapshot()
+            elif action == "stop":
+                self.stopped_early = True
+                break
+
+    def solve(self, resume: str | None = None) -> None:
+        p, log = self.param, self.log
+        self.stopped_early = False
+        log.info("Solving %s", self.net.model.name)
+        log.info("Learning Rate Policy: %s", p.lr_policy)
+        if resume:
+            log.info("Restoring previous solver status from %s", resume)
+            self.restore(resume)
+        self.step(p.max_iter - self.iter)
+        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+            self.snapshot()
+        if self.stopped_early:
+            log.info("Optimization stopped early.")
+            return
+        if p.display and self.iter % p.display == 0:
+            self.net.forward()
+            log.info("Iteration %d, loss = %g", self.iter, self.net.loss)
+        if p.test_interval and self.iter % p.test_interval == 0:
+            self.test_all()
+        log.info("Optimization Done.")
+
+    def _log_outputs(self, net: Net, kind: str, values: dict[str, np.ndarray] | None) -> None:
+        weights = dict(net.builder.loss_tops)
+        k = 0
+        for name in net.outputs:
+            data = values[name] if values is not None else net.blobs[name].data
+            w = weights.get(net.builder.data[name], 0.0)
+            for v in np.ravel(data):
+                extra = f" (* {w:g} = {w * float(v):g} loss)" if w else ""
+                self.log.info("    %s net output #%d: %s = %g%s", kind, k, name, float(v), extra)
+                k += 1
+
+    def test_all(self) -> list[dict[str, np.ndarray]]:
+        return [self.test(i) for i in range(len(self.test_nets))]
+
+    def test(self, i: int) -> dict[str, np.ndarray]:
+        p, net = self.param, self.test_nets[i]
+        self.log.info("Iteration %d, Testing net (#%d)", self.iter, i)
+        sums: dict[str, np.ndarray] = {}
+        loss = 0.0
+        for _ in range(p.test_iter[i]):
+            out = net.forward()
+            if p.test_compute_loss:
+                loss += net.loss
+            for name, v in out.items():
+                sums[name] = sums.get(name, 0) + np.asarray(v, dtype=np.float64)
+        n = max(1, p.test_iter[i])
+        means = {k: v / n for k, v in sums.items()}
+        if p.test_compute_loss:
+            self.log.info("Test loss: %g", loss / n)
+        self._log_outputs(net, "Test", means)
+        return means
+
+    # -- snapshots -----------------------------------------------------------------------
+    def _prefix(self) -> str:
+        prefix = self.param.snapshot_prefix
+        if not prefix:
+            prefix = os.path.splitext(self.path)[0] if self.path else "purine"
+        return prefix
+
+    def snapshot(self) -> tuple[str, str]:
+        if self.param.snapshot_format == pb.SolverParameter.HDF5:
+            raise PurineError("snapshot_format HDF5 is not supported; use BINARYPROTO "
+                              "(the default)")
+        base = f"{self._prefix()}_iter_{self.iter}"
+        model, state = base + ".caffemodel", base + ".solverstate"
+        self.log.info("Snapshotting to binary proto file %s", model)
+        self.net.save(model)
+        self.log.info("Snapshotting solver state to binary proto file %s", state)
+        atomic_write(state, self.encode_state(model))
+        return model, state
+
+    def _history(self) -> list[Blob]:
+        """Caffe's history order: every learnable parameter's first history blob, then
+        every one's second (AdaDelta, Adam)."""
+        n = len(self.updates[0].history) if self.updates else 0
+        return [u.history[k] for k in range(n) for u in self.updates]
+
+    def encode_state(self, model_path: str) -> bytes:
+        head = pb.SolverState(iter=self.iter, learned_net=model_path,
+                              current_step=self._current_step()).SerializeToString()
+        d = self.net.dispatcher
+        parts = [head]
+        for h in self._history():
+            parts += len_field(3, encode_blob(d.array(h)))
+        return b"".join(parts)
+
+    def _current_step(self) -> int:
+        p = self.param
+        if p.lr_policy == "step" and p.stepsize:
+            return self.iter // p.stepsize
+        if p.lr_policy == "multistep":
+            return sum(1 for s in p.stepvalue if self.iter >= s)
+        return 0
+
+    def restore(self, path: str | os.PathLike) -> None:
+        state = read_message(path, pb.SolverState())
+        if state.learned_net:
+            self.net.copy_from(state.learned_net)
+        hist = self._history()
+        if len(state.history) != len(hist):
+            raise PurineError(f"{os.fspath(path)}: {len(state.history)} history blobs, the "
+                              f"'{self.param.type}' solver of this net needs {len(hist)}")
+        d = self.net.dispatcher
+        for k, (blob, h) in enumerate(zip(state.history, hist, strict=True)):
+            a = blob_to_array(blob)
+            if a.size != h.count:
+                raise PurineError(f"{os.fspath(path)}: history blob {k} has {a.size} values, "
+                                  f"parameter '{h.name}' needs {h.count}")
+            d.array(h)[...] = a.reshape(h.shape)
+        self.iter = state.iter
+
+
+# -- signals -----------------------------------------------------------------------------
+class SignalHandler:
+    """Caffe's SIGINT / SIGHUP effects (stop, snapshot, none), checked between iterations."""
+
+    def __init__(self, sigint: str = "stop", sighup: str = "snapshot"):
+        for v in (sigint, sighup):
+            if v not in ("stop", "snapshot", "none"):
+                raise PurineError(f"signal effect '{v}': expected stop, snapshot or none")
+        self.effects = {signal.SIGINT: sigint, signal.SIGHUP: sighup}
+        self.pending: str = "none"
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> SignalHandler:
+        for sig in self.effects:
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum, frame) -> None:
+        self.pending = self.effects.get(signum, "none")
+
+    def __call__(self) -> str:
+        action, self.pending = self.pending, "none"
+        return action

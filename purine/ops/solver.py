@@ -1,0 +1,253 @@
+"""Solver kernels: Caffe's learning-rate policies, gradient clipping, Normalize + Regularize,
+and one update kernel per SGD-family solver (ComputeUpdateValue followed by Net::Update).
+The solver graph (which blobs feed which op, per parameter) is wired in purine/caffe/solver.py.
+
+Scalars (``lr``, ``it``, the clipping ``scale``) are 0-d arrays so they stay on the device.
+Update kernels take the parameter and its histories both as inputs and as outputs; the
+in-place call passes the same array twice. The gradient ``g`` is read only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from purine.backend import get_array_module
+from purine.errors import PurineError
+
+Array = Any
+
+LR_POLICIES = ("fixed", "step", "exp", "inv", "multistep", "poly", "sigmoid")
+REGULARIZATION_TYPES = ("L2", "L1")
+
+
+# -- learning rate -------------------------------------------------------------------------
+def rate(policy: str, it: int, *, base_lr: float, gamma: float = 0.0, power: float = 0.0,
+         stepsize: int = 0, stepvalues: Sequence[int] = (), max_iter: int = 0) -> float:
+    """Caffe's SGDSolver::GetLearningRate at iteration ``it`` (the iteration being computed,
+    counted from 0), as a Python float."""
+    it = int(it)
+    if policy in ("step", "exp", "inv", "multistep", "sigmoid") and gamma < 0:
+        raise PurineError(f"lr_policy '{policy}' needs gamma >= 0, got {gamma}")
+    if policy in ("step", "sigmoid") and stepsize <= 0:
+        raise PurineError(f"lr_policy '{policy}' needs stepsize > 0, got {stepsize}")
+    if policy == "fixed":
+        return float(base_lr)
+    if policy == "step":
+        return base_lr * gamma ** (it // stepsize)
+    if policy == "exp":
+        return base_lr * gamma ** it
+    if policy == "inv":
+        return base_lr * (1.0 + gamma * it) ** (-power)
+    if policy == "multistep":
+        # Caffe advances current_step_ by at most one per iteration; from iteration 0 (or a
+        # solverstate that saved it) that equals the number of step values already reached.
+        return base_lr * gamma ** sum(1 for s in stepvalues if it >= s)
+    if policy == "poly":
+        if max_iter <= 0:
+            raise PurineError(f"lr_policy 'poly' needs max_iter > 0, got {max_iter}")
+        left = 1.0 - it / max_iter
+        # past max_iter a fractional power has no real value: Caffe's pow() gives NaN
+        return base_lr * left ** power if left >= 0 or float(power).is_integer() else math.nan
+    if policy == "sigmoid":
+        return base_lr / (1.0 + math.exp(-gamma * (it - stepsize)))
+    raise PurineError(
+        f"unknown lr_policy '{policy}': expected one of {', '.join(LR_POLICIES)}")
+
+
+def learning_rate(it: Array, lr_out: Array, *, policy: str, base_lr: float, gamma: float,
+                  power: float, stepsize: int, stepvalues: tuple, max_iter: int) -> None:
+    """lr_out = rate(policy, it, ...); ``it`` is a 0-d array holding the iteration."""
+    lr_out[...] = rate(policy, int(it), base_lr=base_lr, gamma=gamma, power=power,
+                       stepsize=stepsize, stepvalues=stepvalues, max_iter=max_iter)
+
+
+# -- clipping, Normalize, Regularize ---------------------------------------------------------
+def _sum_of_squares(grads: Sequence[Array]) -> Array:
+    """The sum over every gradient of <g, g>, a 0-d array of the gradients' dtype (vdot
+    makes no squared temporary and leaves the result on the device)."""
+    xp = get_array_module(*grads)
+    total = xp.zeros((), dtype=grads[0].dtype)
+    for g in grads:
+        total += xp.vdot(g.ravel(), g.ravel())
+    return total
+
+
+def global_l2_norm(*grads_and_out: Array) -> None:
+    """norm_out = sqrt(sum over all gradients of ||g||^2); the last argument is the output."""
+    *grads, norm_out = grads_and_out
+    xp = get_array_module(norm_out, *grads)
+    norm_out[...] = xp.sqrt(_sum_of_squares(grads))
+
+
+def gradient_scale(*grads_and_out: Array, clip: float) -> None:
+    """Caffe's ClipGradients as a factor: the last argument (0-d) gets clip / norm when the
+    global L2 norm of the given gradients exceeds ``clip``, else 1; ``clip < 0`` disables it.
+    Caffe clips the gradients summed over iter_size, before Normalize divides them."""
+    *grads, scale_out = grads_and_out
+    if clip < 0:
+        scale_out[...] = 1
+        return
+    xp = get_array_module(scale_out, *grads)
+    norm = xp.sqrt(_sum_of_squares(grads))
+    if clip == 0:  # every nonzero gradient is scaled to 0; an all-zero one is left alone
+        scale_out[...] = norm == 0
+        return
+    # clip / max(norm, clip) is exactly 1 when norm <= clip and stays on the device
+    clip_t = norm.dtype.type(clip)
+    scale_out[...] = clip_t / xp.maximum(norm, clip_t)
+
+
+def prepare_gradient(w: Array, g: Array, scale: Array, g_out: Array, *, iter_size: int,
+                     decay: float, regularization: str) -> None:
+    """g_out = g * scale / iter_size + decay * R(w), R(w) = w (L2) or sign(w) (L1), in Caffe's
+    order: clipping scale, Normalize, Regularize. ``decay`` is weight_decay * decay_mult;
+    Caffe skips the regularizer when it is 0 (and then never checks its type)."""
+    if decay and regularization not in REGULARIZATION_TYPES:
+        raise PurineError(f"unknown regularization_type '{regularization}': expected one of "
+                          f"{', '.join(REGULARIZATION_TYPES)}")
+    xp = get_array_module(w, g, g_out)
+    dt = g_out.dtype.type
+    xp.multiply(g, scale.astype(g_out.dtype, copy=False), out=g_out)
+    if iter_size > 1:
+        g_out *= dt(1) / dt(iter_size)
+    if not decay:
+        return
+    if regularization == "L2":
+        g_out += xp.multiply(w, dt(decay))
+    else:
+        r = xp.sign(w)
+        r *= dt(decay)
+        g_out += r
+
+
+# -- updates: ComputeUpdateValue then w -= update ------------------------------------------
+def _local_rate(lr: Array, lr_mult: float, dtype: Any) -> Array:
+    """lr * lr_mult as a 0-d array of the parameter dtype (a float64 0-d lr would otherwise
+    promote whole float32 operations under NumPy 2's casting rules)."""
+    return lr.astype(dtype, copy=False) * dtype.type(lr_mult)
+
+
+def sgd_update(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out: Array, *,
+               lr_mult: float, momentum: float) -> None:
+    """h = momentum * h + local_rate * g; w -= h."""
+    xp = get_array_module(g, w, h)
+    t = xp.multiply(g, _local_rate(lr, lr_mult, w.dtype))
+    xp.multiply(h, w.dtype.type(momentum), out=h_out)
+    h_out += t
+    xp.subtract(w, h_out, out=w_out)
+
+
+def nesterov_update(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out: Array, *,
+                    lr_mult: float, momentum: float) -> None:
+    """h' = momentum * h + local_rate * g; w -= (1 + momentum) * h' - momentum * h."""
+    xp = get_array_module(g, w, h)
+    m = w.dtype.type(momentum)
+    back = xp.multiply(h, -m)  # read before h_out (possibly h itself) is written
+    t = xp.multiply(g, _local_rate(lr, lr_mult, w.dtype))
+    xp.multiply(h, m, out=h_out)
+    h_out += t
+    xp.multiply(h_out, w.dtype.type(1) + m, out=t)
+    t += back
+    xp.subtract(w, t, out=w_out)
+
+
+def adagrad_update(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out: Array, *,
+                   lr_mult: float, delta: float) -> None:
+    """h += g^2; w -= local_rate * g / (sqrt(h) + delta)."""
+    xp = get_array_module(g, w, h)
+    t = xp.multiply(g, g)
+    xp.add(h, t, out=h_out)
+    xp.sqrt(h_out, out=t)
+    t += w.dtype.type(delta)
+    xp.divide(g, t, out=t)
+    t *= _local_rate(lr, lr_mult, w.dtype)
+    xp.subtract(w, t, out=w_out)
+
+
+def rmsprop_update(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out: Array, *,
+                   lr_mult: float, rms_decay: float, delta: float) -> None:
+    """h = rms_decay * h + (1 - rms_decay) * g^2; w -= local_rate * g / (sqrt(h) + delta)."""
+    xp = get_array_module(g, w, h)
+    d = w.dtype.type(rms_decay)
+    t = xp.multiply(g, g)
+    t *= w.dtype.type(1) - d
+    xp.multiply(h, d, out=h_out)
+    h_out += t
+    xp.sqrt(h_out, out=t)
+    t += w.dtype.type(delta)
+    xp.divide(g, t, out=t)
+    t *= _local_rate(lr, lr_mult, w.dtype)
+    xp.subtract(w, t, out=w_out)
+
+
+def adadelta_update(g: Array, lr: Array, w: Array, h: Array, h2: Array, w_out: Array,
+                    h_out: Array, h2_out: Array, *, lr_mult: float, momentum: float,
+                    delta: float) -> None:
+    """``h`` averages squared gradients, ``h2`` squared updates (Caffe's second history):
+    h = m h + (1-m) g^2;  u = g sqrt((h2 + delta) / (h + delta));
+    h2 = m h2 + (1-m) u^2;  w -= local_rate * u."""
+    xp = get_array_module(g, w, h, h2)
+    dt = w.dtype.type
+    m, one_m, eps = dt(momentum), dt(1) - dt(momentum), dt(delta)
+    u = xp.multiply(g, g)
+    u *= one_m
+    xp.multiply(h, m, out=h_out)
+    h_out += u
+    xp.add(h2, eps, out=u)
+    t = xp.add(h_out, eps)
+    u /= t
+    xp.sqrt(u, out=u)
+    u *= g
+    xp.multiply(u, u, out=t)
+    t *= one_m
+    xp.multiply(h2, m, out=h2_out)
+    h2_out += t
+    u *= _local_rate(lr, lr_mult, w.dtype)
+    xp.subtract(w, u, out=w_out)
+
+
+def adam_update(g: Array, lr: Array, it: Array, w: Array, m: Array, v: Array, w_out: Array,
+                m_out: Array, v_out: Array, *, lr_mult: float, beta1: float, beta2: float,
+                delta: float) -> None:
+    """m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
+    w -= local_rate * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + delta),  t = it + 1.
+    Caffe adds ``delta`` to the uncorrected sqrt(v) and folds the correction into the rate."""
+    xp = get_array_module(g, w, m, v)
+    dt = w.dtype.type
+    b1, b2 = dt(beta1), dt(beta2)
+    # Caffe evaluates the correction in double from the Dtype betas (std::pow(float, int)).
+    t = it.astype(np.float64) + 1
+    correction = xp.sqrt(1 - xp.power(np.float64(b2), t)) / (1 - xp.power(np.float64(b1), t))
+    step = (_local_rate(lr, lr_mult, w.dtype) * correction).astype(w.dtype)
+    tmp = xp.multiply(g, dt(1) - b1)
+    xp.multiply(m, b1, out=m_out)
+    m_out += tmp
+    xp.multiply(g, g, out=tmp)
+    tmp *= dt(1) - b2
+    xp.multiply(v, b2, out=v_out)
+    v_out += tmp
+    xp.sqrt(v_out, out=tmp)
+    tmp += dt(delta)
+    xp.divide(m_out, tmp, out=tmp)
+    tmp *= step
+    xp.subtract(w, tmp, out=w_out)
+
+
+SOLVERS: dict[str, tuple[Callable[..., None], int]] = {
+    "SGD": (sgd_update, 1),
+    "Nesterov": (nesterov_update, 1),
+    "AdaGrad": (adagrad_update, 1),
+    "RMSProp": (rmsprop_update, 1),
+    "AdaDelta": (adadelta_update, 2),
+    "Adam": (adam_update, 2),
+}
+"""Caffe's solver type string -> (update kernel, history blobs per parameter). Every kernel
+takes (g, lr, w, *histories, w_out, *histories_out); Adam also takes ``it`` after ``lr``."""
+
+SOLVER_TYPE_NAMES: dict[int, str] = {
+    0: "SGD", 1: "Nesterov", 2: "AdaGrad", 3: "RMSProp", 4: "AdaDelta", 5: "Adam"}
+"""The deprecated SolverParameter.solver_type enum -> the ``type`` string."""
