@@ -42,3 +42,17 @@ def allocate(location: Location, shape: tuple[int, ...], dtype: str) -> Any:
         with xp.cuda.Device(location.index):
             return xp.zeros(shape, dtype=dtype)
     return xp.zeros(shape, dtype=dtype)
+
+
+class RandomStream:
+    """The random numbers of one op: its n-th draw comes from a generator seeded with
+    (seed, key, n). The draw count is all the state there is, so a resumed run that restores
+    it continues the stream exactly, whatever order ops ran in."""
+
+    def __init__(self, seed: int, key: int):
+        self.seed, self.key, self.count = seed, key, 0
+
+    def next(self) -> np.random.Generator:
+        g = np.random.default_rng([self.seed, self.key, self.count])
+        self.count += 1
+        return g

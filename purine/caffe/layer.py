@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from purine.backend import RandomStream
 from purine.caffe import caffe_pb2 as pb
 from purine.errors import LayerError
 from purine.graph import Blob, Op
@@ -167,9 +168,17 @@ class LayerBuild:
                                    self.net.location)
 
     def rng(self) -> np.random.Generator:
-        """A generator for this layer alone, seeded from the net seed and layer index, so
-        results do not depend on the order ops run in."""
+        """A generator for this layer's one-off draws (fillers), seeded from the net seed
+        and layer index, so results do not depend on the order ops run in."""
         return np.random.default_rng([self.net.seed, self.index])
+
+    def random_stream(self) -> RandomStream:
+        """A stream for an op that draws at every run (Dropout, DummyData); the net keeps
+        it so that a snapshot can save how far it has gone."""
+        n = sum(1 for k in self.net.random_streams if k.startswith(self.name + "#"))
+        s = RandomStream(self.net.seed, 1_000_003 * (self.index + 1) + n)
+        self.net.random_streams[f"{self.name}#{n}"] = s
+        return s
 
     # -- ops --------------------------------------------------------------------------
     def forward(self, fn: Callable[..., None], inputs: Sequence[Blob], outputs: Sequence[Blob],

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from purine.backend import RandomStream
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.fillers import fill
 from purine.caffe.layer import BUILDERS, LayerBuild, kernel
@@ -49,6 +50,7 @@ class NetBuilder:
         self._param_uses: dict[Blob, list[tuple[LayerBuild, int]]] = {}
         self._use_diffs: dict[tuple[str, int], Blob] = {}
         self._n_ops = 0
+        self.random_streams: dict[str, RandomStream] = {}
 
         state = pb.NetState()
         state.CopyFrom(param.state)
@@ -434,10 +436,8 @@ class Net:
         from purine.caffe.caffemodel import save_net
 
         params = {name: [v.data for v in views] for name, views in self.params.items()}
-        layers = [pb.LayerParameter() for _ in self.builder.layers]
-        for lp, L in zip(layers, self.builder.layers):
-            lp.CopyFrom(L.param)
-        save_net(self.model.name, [lp for lp in layers if lp.type != "Split"], params, path)
+        layers = [L.param for L in self.builder.layers if L.type != "Split"]
+        save_net(self.model.name, layers, params, path)
 
 
 def _legacy_shape_match(a: tuple[int, ...], b: tuple[int, ...]) -> bool:

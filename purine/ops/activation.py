@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import get_array_module
+from purine.backend import RandomStream, get_array_module
 
 Array = Any
 
@@ -250,13 +250,13 @@ def log_backward(x: Array, dy: Array, dx: Array, *, scale: float, shift: float,
 
 # -- Dropout -------------------------------------------------------------------------------
 def dropout_forward(x: Array, y: Array, mask: Array, *, ratio: float,
-                    rng: np.random.Generator) -> None:
+                    rng: RandomStream) -> None:
     """Training-time dropout: mask ~ Bernoulli(1 - ratio), y = x * mask / (1 - ratio).
 
-    The mask is drawn from the layer's own host generator at every call (then moved to the
+    The mask is drawn from the layer's own host stream at every call (then moved to the
     array's device), so a net gives the same masks on every device and thread schedule."""
     xp = get_array_module(x)
-    mask[...] = xp.asarray(rng.random(x.shape) < 1.0 - ratio)
+    mask[...] = xp.asarray(rng.next().random(x.shape) < 1.0 - ratio)
     xp.multiply(x, mask, out=y)
     y *= 1.0 / (1.0 - ratio)
 

@@ -26,7 +26,8 @@ def inner_product_backward_data(dy: Array, w: Array, dx: Array, *, m: int, trans
     dy2.dot(w.T if transpose else w, out=dx2)
 
 
-def inner_product_backward_weight(x: Array, dy: Array, dw: Array, *, m: int, transpose: bool) -> None:
+def inner_product_backward_weight(x: Array, dy: Array, dw: Array, *, m: int,
+                                  transpose: bool) -> None:
     x2, dy2 = _2d(x, m), _2d(dy, m)
     if transpose:
         x2.T.dot(dy2, out=dw)

@@ -51,7 +51,6 @@ def dummy_data(L: LayerBuild):
     fillers = list(p.data_filler) or [pb.FillerParameter()]
     if len(fillers) not in (1, n):
         raise L.error(f"{len(fillers)} data_filler entries for {n} tops")
-    rng = L.rng()
     for i, shape in enumerate(shapes):
         f = fillers[i if len(fillers) > 1 else 0]
         top = L.top(i, shape)
@@ -59,8 +58,9 @@ def dummy_data(L: LayerBuild):
             value = np.float32(f.value)
             L.forward(tensor.fill, [], [top], value=value)
         else:  # refilled at every forward, as Caffe does for non-constant fillers
+            stream = L.random_stream()
             L.forward(tensor.fill_random, [], [top],
-                      draw=lambda s=shape, f=f: fill(f, s, rng, L.name))
+                      draw=lambda s=shape, f=f, r=stream: fill(f, s, r.next(), L.name))
     return None
 
 

@@ -237,7 +237,7 @@ def dropout(L: LayerBuild):
         return backward_test
 
     mask = L.scratch("mask", x.shape, "uint8")
-    L.forward(act.dropout_forward, [x], [y, mask], ratio=ratio, rng=L.rng())
+    L.forward(act.dropout_forward, [x], [y, mask], ratio=ratio, rng=L.random_stream())
 
     def backward():
         if L.needs_diff(0):
