@@ -15,6 +15,7 @@ import numpy as np
 
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.prototxt import read_message
+from purine.caffe.wire import len_field, varint
 from purine.errors import ProtoError
 
 
@@ -54,22 +55,6 @@ def load_weights(path: str | os.PathLike) -> dict[str, list[np.ndarray]]:
 
 
 # -- encoding --------------------------------------------------------------------------
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def len_field(number: int, payload: bytes | memoryview) -> list[bytes | memoryview]:
-    return [varint(number << 3 | 2), varint(len(payload)), payload]
-
-
 def encode_blob(a: np.ndarray) -> bytes:
     """BlobProto bytes: ``shape`` (field 7) and packed float ``data`` (field 5)."""
     a = np.asarray(a, dtype="<f4", order="C")

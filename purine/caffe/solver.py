@@ -9,6 +9,7 @@ as its gradient exists.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -20,15 +21,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import atomic_write, blob_to_array, encode_blob, len_field
+from purine.caffe.caffemodel import atomic_write, blob_to_array, encode_blob
 from purine.caffe.layer import kernel
 from purine.caffe.net import TEST, TRAIN, Net
 from purine.caffe.prototxt import parse_text, read_message, read_net
+from purine.caffe.wire import len_field, length_fields
 from purine.errors import ProtoError, PurineError
 from purine.graph import Blob, Op
 from purine.log import get_logger
 from purine.ops import solver as so
 from purine.ops import tensor
+
+# A SolverState field number Caffe does not use: Caffe's reader keeps it as an unknown
+# field and ignores it, so our .solverstate files still load in Caffe.
+PRIVATE_STATE_FIELD = 1001
 
 
 class DivergenceError(PurineError):
@@ -354,7 +360,18 @@ class Solver:
         parts = [head]
         for h in self._history():
             parts += len_field(3, encode_blob(d.array(h)))
+        parts += len_field(PRIVATE_STATE_FIELD, json.dumps(self._private_state()).encode())
         return b"".join(parts)
+
+    def _private_state(self) -> dict:
+        """What Caffe's SolverState has no field for: how far each random stream has gone."""
+        return {"random": {k: s.count for k, s in self.net.builder.random_streams.items()}}
+
+    def _restore_private(self, state: dict) -> None:
+        streams = self.net.builder.random_streams
+        for k, count in state.get("random", {}).items():
+            if k in streams:
+                streams[k].count = int(count)
 
     def _current_step(self) -> int:
         p = self.param
@@ -365,7 +382,16 @@ class Solver:
         return 0
 
     def restore(self, path: str | os.PathLike) -> None:
+        """Resume from a .solverstate (ours or Caffe's: Caffe's has no private field, and
+        then the random streams start over, as Caffe's do)."""
         state = read_message(path, pb.SolverState())
+        with open(path, "rb") as f:
+            for payload in length_fields(f.read(), PRIVATE_STATE_FIELD):
+                try:
+                    self._restore_private(json.loads(payload))
+                except (ValueError, AttributeError) as e:
+                    raise PurineError(f"{os.fspath(path)}: unreadable purine state field "
+                                      f"{PRIVATE_STATE_FIELD}: {e}") from None
         if state.learned_net:
             self.net.copy_from(state.learned_net)
         hist = self._history()
