@@ -314,12 +314,11 @@ class Net:
                 self.params[L.name] = [
                     BlobView(self, p.name, p, b.param_grad(p)) for p in L.params]
         self.inputs = [t for L in b.layers if L.type == "Input" for t in L.param.top]
-        available: dict[str, None] = {}  # Caffe's rule: what no later layer consumed
-        for L in b.layers:
-            for bt in L.param.bottom:
-                available.pop(bt, None)
-            available.update(dict.fromkeys(L.param.top))
-        self.outputs = list(available)
+        available: set[str] = set()  # Caffe's rule: what no later layer consumed,
+        for L in b.layers:             # in name order (Caffe keeps them in a std::set)
+            available.difference_update(L.param.bottom)
+            available.update(L.param.top)
+        self.outputs = sorted(available)
         self._forward_ops = [op for L in b.layers for op in L.forward_ops]
         self._backward_ops = b.seed_ops + [op for L in reversed(b.layers)
                                            for op in L.backward_ops]
