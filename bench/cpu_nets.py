@@ -31,21 +31,13 @@ NETS = {
 
 
 def train_net_param(name: str):
-    """The TRAIN net with its Data layers replaced by Input layers of the bench shapes."""
+    """The TRAIN net with its data layers replaced by Input layers of the bench shapes."""
     from purine.caffe import caffe_pb2 as pb
-    from purine.caffe.prototxt import filter_net, read_net
+    from purine.caffe.prototxt import filter_net, read_net, replace_data_layers
 
     path, shape = NETS[name]
     net = filter_net(read_net(os.path.join(ROOT, path)), pb.NetState(phase=pb.TRAIN))
-    out = pb.NetParameter(name=net.name)
-    for layer in net.layer:
-        if layer.type in ("Data", "ImageData", "HDF5Data"):
-            out.layer.add(name=layer.name, type="Input", top=layer.top,
-                          input_param=pb.InputParameter(
-                              shape=[pb.BlobShape(dim=shape), pb.BlobShape(dim=shape[:1])]))
-        else:
-            out.layer.add().CopyFrom(layer)
-    return out
+    return replace_data_layers(net, {"data": shape, "label": shape[:1]})
 
 
 def inputs(name: str, seed: int = 0):

@@ -192,3 +192,27 @@ def insert_splits(net: pb.NetParameter) -> pb.NetParameter:
                 next_split[(i, j)] += 1
             out.layer.add().CopyFrom(split)
     return out
+
+
+DATA_LAYER_TYPES = ("Data", "ImageData", "HDF5Data", "MemoryData", "WindowData", "Python")
+
+
+def replace_data_layers(net: pb.NetParameter, shapes: dict[str, tuple[int, ...]]
+                        ) -> pb.NetParameter:
+    """The net with each data layer replaced by an Input layer whose tops get ``shapes``
+    (by top name): a stand-in for timing or testing a net without its dataset."""
+    out = pb.NetParameter()
+    out.CopyFrom(net)
+    for layer in out.layer:
+        if layer.type not in DATA_LAYER_TYPES:
+            continue
+        missing = [t for t in layer.top if t not in shapes]
+        if missing:
+            raise ProtoError(f"layer '{layer.name}' ({layer.type}): no stand-in shape for "
+                             f"top(s) {', '.join(missing)}")
+        stand_in = pb.LayerParameter(
+            name=layer.name, type="Input", top=list(layer.top), include=list(layer.include),
+            exclude=list(layer.exclude))
+        stand_in.input_param.shape.extend(pb.BlobShape(dim=shapes[t]) for t in layer.top)
+        layer.CopyFrom(stand_in)
+    return out
