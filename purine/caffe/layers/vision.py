@@ -1,1 +1,272 @@
-"""Layer builders of the vision family."""
+"""Builders of the vision layers: Convolution and Deconvolution (one weight shared by every
+bottom/top pair, as in Caffe), Pooling (MAX with its argmax mask, AVE; Caffe's ceil-rounded
+output size) and LRN (across channels and within a channel)."""
+
+from __future__ import annotations
+
+import math
+
+from purine.caffe import caffe_pb2 as pb
+from purine.caffe.layer import LayerBuild, register
+from purine.caffe.layers.common import canonical_axis
+from purine.ops import conv, lrn, pooling
+
+
+def _no_in_place(L: LayerBuild) -> None:
+    for t in L.param.top:
+        if t in L.param.bottom:
+            raise L.error(f"cannot run in place (top '{t}' is also a bottom); give the top "
+                          "its own name")
+
+
+def _spatial_values(L: LayerBuild, p: pb.ConvolutionParameter, name: str, spatial: int,
+                    default: int) -> list[int]:
+    """Caffe's kernel_size / stride / pad / dilation: the _h/_w pair (2-d only), else the
+    repeated field given once or once per spatial axis, else ``default``."""
+    repeated = list(getattr(p, name if name != "kernel" else "kernel_size"))
+    field = "kernel_size" if name == "kernel" else name
+    if name != "dilation" and (p.HasField(f"{name}_h") or p.HasField(f"{name}_w")):
+        if spatial != 2:
+            raise L.error(f"{name}_h and {name}_w are for 2-d convolution only; the bottom "
+                          f"has {spatial} spatial axes ({L.shapes()})")
+        if repeated:
+            raise L.error(f"give either {field} or {name}_h/{name}_w, not both")
+        return [getattr(p, f"{name}_h"), getattr(p, f"{name}_w")]
+    if not repeated:
+        if default < 0:
+            raise L.error("kernel_size (or kernel_h and kernel_w) is required")
+        return [default] * spatial
+    if len(repeated) not in (1, spatial):
+        raise L.error(f"{field} must be given once or once per spatial axis; it is given "
+                      f"{len(repeated)} times for {spatial} spatial axes ({L.shapes()})")
+    return [repeated[0 if len(repeated) == 1 else i] for i in range(spatial)]
+
+
+def _conv_setup(L: LayerBuild, deconv: bool) -> tuple[conv.ConvGeometry, tuple[int, ...],
+                                                         tuple[int, ...]]:
+    """Check a (De)Convolution layer; returns the geometry of its convolution (for a
+    Deconvolution: the convolution that maps its top back to its bottom), its weight
+    shape and its top shape."""
+    L.expect((1, None), (1, None))
+    if len(L.param.top) != len(L.bottoms):
+        raise L.error(f"needs one top per bottom; got {len(L.bottoms)} bottoms and "
+                      f"{len(L.param.top)} tops")
+    _no_in_place(L)
+    x = L.bottom(0)
+    for b in L.bottoms[1:]:
+        if b.shape != x.shape:
+            raise L.error(f"all bottoms must have one shape; '{x.name}' {x.shape} and "
+                          f"'{b.name}' {b.shape} differ")
+    p = L.param.convolution_param
+    axis = canonical_axis(L, p.axis, len(x.shape))
+    spatial = len(x.shape) - axis - 1
+    if spatial not in (1, 2):
+        raise L.error(f"supports 1-d and 2-d convolution only; bottom '{x.name}' {x.shape} "
+                      f"with channel axis {axis} has {spatial} spatial axes")
+    kernel = _spatial_values(L, p, "kernel", spatial, -1)
+    stride = _spatial_values(L, p, "stride", spatial, 1)
+    pad = _spatial_values(L, p, "pad", spatial, 0)
+    dilation = _spatial_values(L, p, "dilation", spatial, 1)
+    for what, values, low in (("kernel size", kernel, 1), ("stride", stride, 1),
+                              ("dilation", dilation, 1)):
+        if min(values) < low:
+            raise L.error(f"{what} must be positive, got {values}")
+    channels, n = x.shape[axis], p.num_output
+    if n <= 0:
+        raise L.error("convolution_param.num_output must be positive")
+    if p.group < 1 or channels % p.group or n % p.group:
+        raise L.error(f"group {p.group} must divide the bottom's {channels} channels "
+                      f"('{x.name}' {x.shape}) and num_output {n}")
+    size = list(x.shape[axis + 1:])
+    extent = [d * (k - 1) + 1 for k, d in zip(kernel, dilation, strict=True)]
+    if deconv:
+        out = [s * (i - 1) + e - 2 * q
+               for i, s, e, q in zip(size, stride, extent, pad, strict=True)]
+        if min(out) < 1:
+            raise L.error(f"output size {out} of bottom '{x.name}' {x.shape} is not positive "
+                          f"(kernel {kernel}, stride {stride}, pad {pad}, dilation {dilation})")
+    else:
+        if any(i + 2 * q < e for i, q, e in zip(size, pad, extent, strict=True)):
+            raise L.error(f"kernel extent {extent} exceeds the padded input: bottom "
+                          f"'{x.name}' {x.shape} with pad {pad}")
+        out = [(i + 2 * q - e) // s + 1
+               for i, q, e, s in zip(size, pad, extent, stride, strict=True)]
+    if spatial == 1:  # a 1-d convolution is the 2-d one with height 1
+        size, out = [1] + size, [1] + out
+        kernel, stride, pad, dilation = ([1] + kernel, [1] + stride, [0] + pad,
+                                         [1] + dilation)
+    # The convolution's input side is the bottom (Deconvolution: the top).
+    conv_in, conv_out = (n, channels) if deconv else (channels, n)
+    in_size = out if deconv else size
+    geom = conv.ConvGeometry(
+        num=math.prod(x.shape[:axis]), channels=conv_in, height=in_size[0], width=in_size[1],
+        num_output=conv_out, kernel_h=kernel[0], kernel_w=kernel[1], stride_h=stride[0],
+        stride_w=stride[1], pad_h=pad[0], pad_w=pad[1], dilation_h=dilation[0],
+        dilation_w=dilation[1], group=p.group)
+    k_shape = tuple(kernel[-spatial:])
+    weight = (conv_out, conv_in // p.group) + k_shape
+    top = x.shape[:axis] + (n,) + tuple(out[-spatial:])
+    return geom, weight, top
+
+
+@register("Convolution")
+def convolution(L: LayerBuild):
+    geom, weight, top_shape = _conv_setup(L, deconv=False)
+    p = L.param.convolution_param
+    w = L.add_param(weight, p.weight_filler)
+    b = L.add_param((p.num_output,), p.bias_filler) if p.bias_term else None
+    xs = L.bottoms
+    ys = [L.top(i, top_shape) for i in range(len(xs))]
+    for x, y in zip(xs, ys, strict=True):
+        L.forward(conv.conv_forward, [x, w] + ([b] if b else []), [y], geom=geom)
+
+    def backward():
+        dys = [L.top_diff(i) for i in range(len(xs))]
+        if L.needs_param_diff(0):
+            pairs = [a for x, dy in zip(xs, dys, strict=True) for a in (x, dy)]
+            L.backward(conv.conv_backward_weight, pairs, [L.param_diff(0)], geom=geom)
+        if b is not None and L.needs_param_diff(1):
+            L.backward(conv.conv_backward_bias, dys, [L.param_diff(1)], num=geom.num)
+        for i, dy in enumerate(dys):
+            if L.needs_diff(i):
+                L.backward(conv.conv_backward_data, [dy, w], [L.bottom_diff(i)], geom=geom)
+    return backward
+
+
+@register("Deconvolution")
+def deconvolution(L: LayerBuild):
+    # Caffe's transposed convolution: forward is the convolution's backward-data, so the
+    # weight is (channels, num_output / group, kh, kw).
+    geom, weight, top_shape = _conv_setup(L, deconv=True)
+    p = L.param.convolution_param
+    w = L.add_param(weight, p.weight_filler)
+    b = L.add_param((p.num_output,), p.bias_filler) if p.bias_term else None
+    xs = L.bottoms
+    ys = [L.top(i, top_shape) for i in range(len(xs))]
+    for x, y in zip(xs, ys, strict=True):
+        L.forward(conv.deconv_forward, [x, w] + ([b] if b else []), [y], geom=geom)
+
+    def backward():
+        dys = [L.top_diff(i) for i in range(len(xs))]
+        if L.needs_param_diff(0):
+            pairs = [a for x, dy in zip(xs, dys, strict=True) for a in (dy, x)]
+            L.backward(conv.conv_backward_weight, pairs, [L.param_diff(0)], geom=geom,
+                       op_type="DeconvBackwardWeight")
+        if b is not None and L.needs_param_diff(1):
+            L.backward(conv.conv_backward_bias, dys, [L.param_diff(1)], num=geom.num,
+                       op_type="DeconvBackwardBias")
+        for i, dy in enumerate(dys):
+            if L.needs_diff(i):
+                L.backward(conv.conv_forward, [dy, w], [L.bottom_diff(i)], geom=geom,
+                           op_type="DeconvBackwardData")
+    return backward
+
+
+def _pool_values(L: LayerBuild, p: pb.PoolingParameter, name: str, default: int | None
+                 ) -> tuple[int, int]:
+    """Caffe's ``name`` OR ``name``_h and ``name``_w, not both."""
+    single, has_h, has_w = (p.HasField(name if name != "kernel" else "kernel_size"),
+                            p.HasField(f"{name}_h"), p.HasField(f"{name}_w"))
+    field = "kernel_size" if name == "kernel" else name
+    if single and (has_h or has_w):
+        raise L.error(f"give either {field} or {name}_h and {name}_w, not both")
+    if has_h != has_w:
+        raise L.error(f"{name}_h and {name}_w must be given together")
+    if has_h:
+        return getattr(p, f"{name}_h"), getattr(p, f"{name}_w")
+    if not single and default is None:
+        raise L.error("kernel_size (or kernel_h and kernel_w) is required")
+    value = getattr(p, field) if single else default
+    return value, value
+
+
+def _pooled(size: int, kernel: int, stride: int, pad: int, ceil: bool) -> int:
+    """Caffe's output size: rounded up (CEIL, the default) or down; with padding, a last
+    window that would start in the padding is dropped."""
+    span = (size + 2 * pad - kernel) / stride
+    pooled = (math.ceil(span) if ceil else math.floor(span)) + 1
+    if pad and (pooled - 1) * stride >= size + pad:
+        pooled -= 1
+    return pooled
+
+
+@register("Pooling")
+def pooling_layer(L: LayerBuild):
+    p = L.param.pooling_param
+    if p.pool == pb.PoolingParameter.STOCHASTIC:
+        raise L.error("STOCHASTIC pooling is not supported; use MAX or AVE")
+    is_max = p.pool == pb.PoolingParameter.MAX
+    L.expect(1, (1, 2 if is_max else 1))
+    _no_in_place(L)
+    x = L.bottom(0)
+    if len(x.shape) != 4:
+        raise L.error(f"bottom '{x.name}' {x.shape} must have 4 axes (num, channels, "
+                      "height, width)")
+    n, c, h, w = x.shape
+    if p.global_pooling:
+        if p.HasField("kernel_size") or p.HasField("kernel_h") or p.HasField("kernel_w"):
+            raise L.error("with global_pooling: true the kernel size cannot be given")
+        kernel = (h, w)
+    else:
+        kernel = _pool_values(L, p, "kernel", None)
+    pad = _pool_values(L, p, "pad", p.pad)
+    stride = _pool_values(L, p, "stride", p.stride)
+    if p.global_pooling and (pad != (0, 0) or stride != (1, 1)):
+        raise L.error(f"with global_pooling: true only pad 0 and stride 1 are allowed, got "
+                      f"pad {pad} and stride {stride}")
+    if min(kernel) < 1 or min(stride) < 1:
+        raise L.error(f"kernel size {kernel} and stride {stride} must be positive")
+    if pad[0] >= kernel[0] or pad[1] >= kernel[1]:
+        raise L.error(f"pad {pad} must be smaller than the kernel {kernel}")
+    ceil = p.round_mode == pb.PoolingParameter.CEIL
+    pooled = (_pooled(h, kernel[0], stride[0], pad[0], ceil),
+              _pooled(w, kernel[1], stride[1], pad[1], ceil))
+    if min(pooled) < 1:
+        raise L.error(f"output size {pooled} is not positive: bottom '{x.name}' {x.shape}, "
+                      f"kernel {kernel}, stride {stride}, pad {pad}")
+    geom = pooling.PoolGeometry(n, c, h, w, *kernel, *stride, *pad, *pooled)
+    y = L.top(0, (n, c) + pooled)
+    if not is_max:
+        L.forward(pooling.ave_pool_forward, [x], [y], geom=geom)
+    else:
+        # The argmax: Caffe's private max_idx_, or the optional second top (as floats).
+        mask = L.top(1, y.shape) if len(L.param.top) > 1 else L.scratch("mask", y.shape,
+                                                                          "int32")
+        L.forward(pooling.max_pool_forward, [x], [y, mask], geom=geom)
+
+    def backward():
+        if not L.needs_diff(0):
+            return
+        if is_max:
+            L.backward(pooling.max_pool_backward, [L.top_diff(0), mask], [L.bottom_diff(0)],
+                       geom=geom)
+        else:
+            L.backward(pooling.ave_pool_backward, [L.top_diff(0)], [L.bottom_diff(0)],
+                       geom=geom)
+    return backward
+
+
+@register("LRN")
+def lrn_layer(L: LayerBuild):
+    L.expect(1, 1)
+    p = L.param.lrn_param
+    x = L.bottom(0)
+    if len(x.shape) != 4:
+        raise L.error(f"bottom '{x.name}' {x.shape} must have 4 axes (num, channels, "
+                      "height, width)")
+    if p.local_size % 2 == 0:
+        raise L.error(f"local_size must be odd, got {p.local_size}")
+    within = p.norm_region == pb.LRNParameter.WITHIN_CHANNEL
+    # WITHIN_CHANNEL is Caffe's pool / power / product composition, whose shift is 1.
+    params = dict(size=p.local_size, alpha=p.alpha, beta=p.beta, within=within)
+    saved = L.saved(0)
+    y = L.top(0, x.shape)
+    scale = L.scratch("scale", x.shape)
+    L.forward(lrn.lrn_forward, [x], [y, scale], shift=1.0 if within else p.k, **params)
+
+    def backward():
+        if L.needs_diff(0):
+            L.backward(lrn.lrn_backward, [saved, y, scale, L.top_diff(0)], [L.bottom_diff(0)],
+                       **params)
+    return backward
+

@@ -1,0 +1,98 @@
+"""Local response normalization kernels (Caffe's LRN layer). Both regions share one form:
+
+    scale = shift + alpha / norm * window_sum(x^2),   y = x * scale^-beta
+
+ACROSS_CHANNELS sums ``size`` neighbouring channels (shift k, norm size); WITHIN_CHANNEL is
+Caffe's composition x * (1 + alpha * avepool(x^2))^-beta whose pool is size x size with pad
+(size-1)/2 and stride 1, so every window divides by size^2 (shift 1, norm size^2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from purine.backend import get_array_module
+
+Array = Any
+
+
+def _power(xp: Any, a: Array, exponent: float, out: Array) -> Array:
+    """``a ** exponent`` into ``out``, with square roots for Caffe's usual beta = 0.75
+    (pow is several times dearer than sqrt)."""
+    if exponent == -0.75:
+        xp.sqrt(a, out=out)
+        out *= xp.sqrt(out)
+        xp.reciprocal(out, out=out)
+    elif exponent == -0.5:
+        xp.sqrt(a, out=out)
+        xp.reciprocal(out, out=out)
+    elif exponent == -1.0:
+        xp.reciprocal(a, out=out)
+    else:
+        xp.power(a, exponent, out=out)
+    return out
+
+
+def _channel_window_sum(xp: Any, a: Array, size: int, out: Array) -> None:
+    """out[:, c] = sum of a[:, c'] over |c' - c| <= (size-1)/2 (a is (num, channels, P))."""
+    half = (size - 1) // 2
+    channels = a.shape[1]
+    out[...] = a
+    for o in range(1, half + 1):
+        if o >= channels:
+            break
+        out[:, o:] += a[:, :channels - o]
+        out[:, :channels - o] += a[:, o:]
+
+
+def _box_sum(xp: Any, a: Array, size: int, out: Array) -> None:
+    """out = the size x size box sums of a (num, channels, H, W), zero outside the image:
+    separable, so 2 (size-1) shifted adds instead of size^2."""
+    half = (size - 1) // 2
+    h, w = a.shape[2:]
+    rows = a.copy()
+    for o in range(1, min(half, w - 1) + 1):
+        rows[..., o:] += a[..., :w - o]
+        rows[..., :w - o] += a[..., o:]
+    out[...] = rows
+    for o in range(1, min(half, h - 1) + 1):
+        out[:, :, o:] += rows[:, :, :h - o]
+        out[:, :, :h - o] += rows[:, :, o:]
+
+
+def _window_sum(xp: Any, a: Array, out: Array, *, size: int, within: bool) -> None:
+    if within:
+        _box_sum(xp, a, size, out)
+    else:
+        _channel_window_sum(xp, a.reshape(a.shape[0], a.shape[1], -1), size,
+                            out.reshape(a.shape[0], a.shape[1], -1))
+
+
+def _norm(size: int, within: bool) -> int:
+    return size * size if within else size
+
+
+def lrn_forward(x: Array, y: Array, scale: Array, *, size: int, alpha: float, beta: float,
+                shift: float, within: bool) -> None:
+    """y = x * scale^-beta, keeping ``scale`` (Caffe's scale_) for the backward pass."""
+    xp = get_array_module(x)
+    sq = xp.square(x)
+    _window_sum(xp, sq, scale, size=size, within=within)
+    scale *= alpha / _norm(size, within)
+    scale += shift
+    xp.multiply(x, _power(xp, scale, -beta, sq), out=y)
+
+
+def lrn_backward(x: Array, y: Array, scale: Array, dy: Array, dx: Array, *, size: int,
+                 alpha: float, beta: float, within: bool) -> None:
+    """Caffe's formula: dx = dy * scale^-beta
+    - 2 alpha beta / norm * x * window_sum(dy * y / scale)."""
+    xp = get_array_module(x)
+    ratio = xp.multiply(dy, y)
+    ratio /= scale
+    acc = xp.empty_like(ratio)
+    _window_sum(xp, ratio, acc, size=size, within=within)
+    acc *= x
+    acc *= 2.0 * alpha * beta / _norm(size, within)
+    xp.multiply(dy, _power(xp, scale, -beta, ratio), out=dx)
+    dx -= acc

@@ -1,0 +1,223 @@
+"""Pooling kernels (Caffe's Pooling layer: MAX with its argmax mask, AVE), vectorized over
+everything but the kernel offsets. Windows follow Caffe: MAX ignores padding, AVE divides by
+the window clipped to the padded image (H + pad), counting padding but nothing beyond it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from purine.backend import get_array_module
+
+Array = Any
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Input (num, channels, height, width) pooled to (num, channels, pooled_h, pooled_w);
+    window (ph, pw) starts at row ph*stride_h - pad_h, column pw*stride_w - pad_w."""
+
+    num: int
+    channels: int
+    height: int
+    width: int
+    kernel_h: int
+    kernel_w: int
+    stride_h: int
+    stride_w: int
+    pad_h: int
+    pad_w: int
+    pooled_h: int
+    pooled_w: int
+
+    @property
+    def padded_h(self) -> int:
+        """Rows of a padded copy that holds every window, the clipped last ones included."""
+        return max(self.height + 2 * self.pad_h,
+                   (self.pooled_h - 1) * self.stride_h + self.kernel_h)
+
+    @property
+    def padded_w(self) -> int:
+        return max(self.width + 2 * self.pad_w,
+                   (self.pooled_w - 1) * self.stride_w + self.kernel_w)
+
+    @property
+    def is_global(self) -> bool:
+        """One window covering the whole unpadded image."""
+        return (self.kernel_h == self.height and self.kernel_w == self.width
+                and self.pad_h == self.pad_w == 0 and self.pooled_h == self.pooled_w == 1)
+
+    @property
+    def empty_rows(self) -> int:
+        """Trailing output rows whose window lies wholly outside the image (possible only
+        without padding and with a stride larger than the kernel)."""
+        return sum(1 for ph in range(self.pooled_h) if ph * self.stride_h - self.pad_h
+                   >= self.height)
+
+    @property
+    def empty_cols(self) -> int:
+        return sum(1 for pw in range(self.pooled_w) if pw * self.stride_w - self.pad_w
+                   >= self.width)
+
+    @property
+    def overlapping(self) -> bool:
+        return self.kernel_h > self.stride_h or self.kernel_w > self.stride_w
+
+
+def _planes(a: Array, g: PoolGeometry, pooled: bool) -> Array:
+    if pooled:
+        return a.reshape(g.num, g.channels, g.pooled_h, g.pooled_w)
+    return a.reshape(g.num, g.channels, g.height, g.width)
+
+
+def _padded(xp: Any, x: Array, g: PoolGeometry, fill: float) -> Array:
+    """``x`` inside a border of ``fill`` wide enough for every window."""
+    hp, wp = g.padded_h, g.padded_w
+    if hp == g.height and wp == g.width:
+        return x
+    out = xp.full((g.num, g.channels, hp, wp), fill, dtype=x.dtype)
+    out[:, :, g.pad_h:g.pad_h + g.height, g.pad_w:g.pad_w + g.width] = x
+    return out
+
+
+def _window(a: Array, g: PoolGeometry, i: int, j: int) -> Array:
+    """The (num, channels, pooled_h, pooled_w) view of padded ``a`` at kernel offset (i, j)."""
+    return a[:, :, i:i + g.stride_h * (g.pooled_h - 1) + 1:g.stride_h,
+             j:j + g.stride_w * (g.pooled_w - 1) + 1:g.stride_w]
+
+
+def _window_starts(xp: Any, g: PoolGeometry) -> Array:
+    """(pooled_h, pooled_w): the plane index h*W + w of each window's top-left corner."""
+    hs = xp.arange(g.pooled_h) * g.stride_h - g.pad_h
+    ws = xp.arange(g.pooled_w) * g.stride_w - g.pad_w
+    return hs[:, None] * g.width + ws[None, :]
+
+
+def max_pool_forward(x: Array, y: Array, mask: Array, *, geom: PoolGeometry) -> None:
+    """y = the window maxima; ``mask`` = the plane index h*W + w of each maximum (the first
+    in scan order on ties), as Caffe's max_idx_ or its optional second top (float)."""
+    g = geom
+    xp = get_array_module(x)
+    x4, y4, m4 = _planes(x, g, False), _planes(y, g, True), _planes(mask, g, True)
+    if g.is_global:
+        flat = x4.reshape(g.num, g.channels, -1)
+        arg = flat.argmax(axis=2)
+        y4[:, :, 0, 0] = xp.take_along_axis(flat, arg[:, :, None], axis=2)[:, :, 0]
+        m4[:, :, 0, 0] = arg
+        return
+    # Padding is -inf so that it never wins: Caffe's windows are clipped to the image.
+    xpad = _padded(xp, x4, g, -np.inf)
+    kk = g.kernel_h * g.kernel_w
+    code_type = np.uint8 if kk < 256 else np.int32
+    code = xp.zeros(y4.shape, dtype=code_type)  # the kernel offset of the running maximum
+    cur = xp.empty(y4.shape, dtype=x.dtype)
+    better = xp.empty(y4.shape, dtype=bool)
+    step = xp.empty(y4.shape, dtype=code_type)
+    y4[...] = _window(xpad, g, 0, 0)
+    for o in range(1, kk):
+        # Contiguous copies first: ufuncs on the strided windows pay per short row.
+        cur[...] = _window(xpad, g, o // g.kernel_w, o % g.kernel_w)
+        xp.greater(cur, y4, out=better)
+        xp.maximum(y4, cur, out=y4)
+        # A strictly greater value replaces the argmax; offsets rise, so the last
+        # replacement is the largest offset that won: a maximum of better * o.
+        xp.multiply(better, code_type(o), out=step)
+        xp.maximum(code, step, out=code)
+    offsets = xp.asarray([(o // g.kernel_w) * g.width + o % g.kernel_w for o in range(kk)])
+    xp.add(offsets[code], _window_starts(xp, g), out=m4, casting="unsafe")
+    if g.empty_rows or g.empty_cols:
+        # Windows wholly outside the image keep Caffe's initial values.
+        for region in (np.s_[:, :, g.pooled_h - g.empty_rows:],
+                       np.s_[..., g.pooled_w - g.empty_cols:]):
+            y4[region] = -np.finfo(np.float32).max
+            m4[region] = -1
+
+
+def max_pool_backward(dy: Array, mask: Array, dx: Array, *, geom: PoolGeometry) -> None:
+    """dx = dy scattered to the argmax of each window; overlapping windows add up."""
+    g = geom
+    xp = get_array_module(dy)
+    plane = g.height * g.width
+    base = xp.arange(g.num * g.channels, dtype=np.int64).reshape(g.num, g.channels, 1, 1)
+    index = _planes(mask, g, True).astype(np.int64) + base * plane
+    values = _planes(dy, g, True)
+    if g.empty_rows or g.empty_cols:
+        # A window outside the image has no argmax (mask -1) and passes nothing down.
+        values = xp.where(index >= base * plane, values, 0)
+        index = xp.maximum(index, base * plane)
+    flat = dx.reshape(-1)
+    flat.fill(0)
+    if g.overlapping or g.empty_rows or g.empty_cols:
+        _scatter_add(xp, flat, index.reshape(-1), values.reshape(-1))
+    else:  # each input is the argmax of at most one window
+        flat[index.reshape(-1)] = values.reshape(-1)
+
+
+def _scatter_add(xp: Any, target: Array, index: Array, values: Array) -> None:
+    if xp is np:
+        np.add.at(target, index, values)
+    else:  # pragma: no cover - needs a GPU
+        import cupyx
+
+        cupyx.scatter_add(target, index, values)
+
+
+def _ave_matrix(xp: Any, pooled: int, size: int, kernel: int, stride: int, pad: int,
+                dtype: Any) -> Array:
+    """(pooled, size): row p averages window p along one axis, over the image part of the
+    window, divided by Caffe's extent clipped to size + pad (padding counts, the overhang
+    of a ceil-rounded last window does not). AVE pooling is separable: y = Bh x Bw^T."""
+    m = np.zeros((pooled, size))
+    for p in range(pooled):
+        start = p * stride - pad
+        extent = min(start + kernel, size + pad) - start
+        if extent:
+            m[p, max(start, 0):min(start + kernel, size)] = 1.0 / extent
+    return xp.asarray(m.astype(dtype))
+
+
+def _ave_matrices(xp: Any, g: PoolGeometry, dtype: Any) -> tuple[Array, Array]:
+    return (_ave_matrix(xp, g.pooled_h, g.height, g.kernel_h, g.stride_h, g.pad_h, dtype),
+            _ave_matrix(xp, g.pooled_w, g.width, g.kernel_w, g.stride_w, g.pad_w, dtype))
+
+
+def _zero_extent(g: PoolGeometry) -> tuple[list[int], list[int]]:
+    """Output rows and columns whose window has extent 0 (it starts at H + pad): Caffe
+    divides 0 by 0 there."""
+    rows = [p for p in range(g.pooled_h)
+            if min(p * g.stride_h - g.pad_h + g.kernel_h, g.height + g.pad_h)
+            == p * g.stride_h - g.pad_h]
+    cols = [p for p in range(g.pooled_w)
+            if min(p * g.stride_w - g.pad_w + g.kernel_w, g.width + g.pad_w)
+            == p * g.stride_w - g.pad_w]
+    return rows, cols
+
+
+def ave_pool_forward(x: Array, y: Array, *, geom: PoolGeometry) -> None:
+    """y = Bh x Bw^T per plane: two GEMMs, no padded copy (the matrices clip the windows)."""
+    g = geom
+    xp = get_array_module(x)
+    bh, bw = _ave_matrices(xp, g, x.dtype)
+    planes = g.num * g.channels
+    rows = xp.dot(x.reshape(planes * g.height, g.width), bw.T)
+    xp.matmul(bh, rows.reshape(planes, g.height, g.pooled_w),
+              out=y.reshape(planes, g.pooled_h, g.pooled_w))
+    zero_rows, zero_cols = _zero_extent(g)
+    if zero_rows or zero_cols:
+        y4 = _planes(y, g, True)
+        y4[:, :, zero_rows] = np.nan
+        y4[..., zero_cols] = np.nan
+
+
+def ave_pool_backward(dy: Array, dx: Array, *, geom: PoolGeometry) -> None:
+    """dx = Bh^T dy Bw per plane: each window's dy / pool size over its image part."""
+    g = geom
+    xp = get_array_module(dy)
+    bh, bw = _ave_matrices(xp, g, dy.dtype)
+    planes = g.num * g.channels
+    cols = xp.matmul(bh.T, dy.reshape(planes, g.pooled_h, g.pooled_w))
+    xp.dot(cols.reshape(planes * g.height, g.pooled_w), bw,
+           out=dx.reshape(planes * g.height, g.width))
