@@ -3,6 +3,9 @@ once over an array module ``xp`` and get it from their arrays."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
 
@@ -56,3 +59,32 @@ class RandomStream:
         g = np.random.default_rng([self.seed, self.key, self.count])
         self.count += 1
         return g
+
+
+_HOST_POOL: ThreadPoolExecutor | None = None
+HOST_WORKERS = os.cpu_count() or 1
+PARALLEL_MIN_WORK = 1 << 16
+
+
+def host_parallel(fn: Callable[[slice], None], n: int, xp: ModuleType = np,
+                  work: int = 1 << 30) -> None:
+    """Run ``fn`` over slices of ``range(n)`` (the batch) on the host's cores: numpy's
+    memory-bound loops (pooling, copies) are single-threaded but release the GIL, and a
+    slice small enough to stay in cache is faster even alone. Each slice writes its own
+    samples with the same arithmetic, so the result does not depend on the split. Below
+    PARALLEL_MIN_WORK elements of ``work`` the hand-off costs more than it saves."""
+    global _HOST_POOL
+    if xp is not np or n < 2 or work < PARALLEL_MIN_WORK:
+        fn(slice(0, n))
+        return
+    parts = min(n, 2 * HOST_WORKERS)
+    step = -(-n // parts)
+    slices = [slice(i, min(i + step, n)) for i in range(0, n, step)]
+    if HOST_WORKERS == 1:
+        for s in slices:
+            fn(s)
+        return
+    if _HOST_POOL is None:
+        _HOST_POOL = ThreadPoolExecutor(HOST_WORKERS, thread_name_prefix="purine-host")
+    for f in [_HOST_POOL.submit(fn, s) for s in slices]:
+        f.result()

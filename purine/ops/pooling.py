@@ -5,12 +5,12 @@ the window clipped to the padded image (H + pad), counting padding but nothing b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from purine.backend import get_array_module
+from purine.backend import get_array_module, host_parallel
 
 Array = Any
 
@@ -102,6 +102,12 @@ def max_pool_forward(x: Array, y: Array, mask: Array, *, geom: PoolGeometry) -> 
     g = geom
     xp = get_array_module(x)
     x4, y4, m4 = _planes(x, g, False), _planes(y, g, True), _planes(mask, g, True)
+    host_parallel(lambda s: _max_pool_forward(xp, x4[s], y4[s], m4[s],
+                                              replace(g, num=s.stop - s.start)),
+                  g.num, xp, work=x4.size)
+
+
+def _max_pool_forward(xp: Any, x4: Array, y4: Array, m4: Array, g: PoolGeometry) -> None:
     if g.is_global:
         flat = x4.reshape(g.num, g.channels, -1)
         arg = flat.argmax(axis=2)
@@ -113,7 +119,7 @@ def max_pool_forward(x: Array, y: Array, mask: Array, *, geom: PoolGeometry) -> 
     kk = g.kernel_h * g.kernel_w
     code_type = np.uint8 if kk < 256 else np.int32
     code = xp.zeros(y4.shape, dtype=code_type)  # the kernel offset of the running maximum
-    cur = xp.empty(y4.shape, dtype=x.dtype)
+    cur = xp.empty(y4.shape, dtype=x4.dtype)
     better = xp.empty(y4.shape, dtype=bool)
     step = xp.empty(y4.shape, dtype=code_type)
     y4[...] = _window(xpad, g, 0, 0)
@@ -140,6 +146,13 @@ def max_pool_backward(dy: Array, mask: Array, dx: Array, *, geom: PoolGeometry) 
     """dx = dy scattered to the argmax of each window; overlapping windows add up."""
     g = geom
     xp = get_array_module(dy)
+    dy4, m4, dx4 = _planes(dy, g, True), _planes(mask, g, True), _planes(dx, g, False)
+    host_parallel(lambda s: _max_pool_backward(xp, dy4[s], m4[s], dx4[s],
+                                               replace(g, num=s.stop - s.start)),
+                  g.num, xp, work=dx4.size)
+
+
+def _max_pool_backward(xp: Any, dy: Array, mask: Array, dx: Array, g: PoolGeometry) -> None:
     plane = g.height * g.width
     base = xp.arange(g.num * g.channels, dtype=np.int64).reshape(g.num, g.channels, 1, 1)
     index = _planes(mask, g, True).astype(np.int64) + base * plane
