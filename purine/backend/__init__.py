@@ -60,6 +60,12 @@ class RandomStream:
         self.count += 1
         return g
 
+    def state(self) -> dict:
+        return {"count": self.count}
+
+    def restore(self, state: dict) -> None:
+        self.count = int(state["count"])
+
 
 _HOST_POOL: ThreadPoolExecutor | None = None
 HOST_WORKERS = os.cpu_count() or 1

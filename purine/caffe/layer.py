@@ -18,7 +18,7 @@ which gradients are needed (Caffe's need_backward / loss analysis)::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -32,6 +32,14 @@ if TYPE_CHECKING:
     from purine.caffe.net import NetBuilder
 
 Backward = Callable[[], None]
+
+
+class Stateful(Protocol):
+    def state(self) -> dict: ...
+
+    def restore(self, state: dict) -> None: ...
+
+
 Builder = Callable[["LayerBuild"], "Backward | None"]
 
 BUILDERS: dict[str, Builder] = {}
@@ -175,10 +183,16 @@ class LayerBuild:
     def random_stream(self) -> RandomStream:
         """A stream for an op that draws at every run (Dropout, DummyData); the net keeps
         it so that a snapshot can save how far it has gone."""
-        n = sum(1 for k in self.net.random_streams if k.startswith(self.name + "#"))
+        n = sum(1 for k in self.net.stateful if k.startswith(self.name + "/random#"))
         s = RandomStream(self.net.seed, 1_000_003 * (self.index + 1) + n)
-        self.net.random_streams[f"{self.name}#{n}"] = s
+        self.keep_state(f"random#{n}", s)
         return s
+
+    def keep_state(self, key: str, obj: Stateful) -> None:
+        """Register run-time state a resumed run must continue from (a random stream, a
+        data cursor): the solver saves ``obj.state()`` in its snapshots and hands it back
+        to ``obj.restore``."""
+        self.net.stateful[f"{self.name}/{key}"] = obj
 
     # -- ops --------------------------------------------------------------------------
     def forward(self, fn: Callable[..., None], inputs: Sequence[Blob], outputs: Sequence[Blob],

@@ -11,10 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import RandomStream
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.fillers import fill
-from purine.caffe.layer import BUILDERS, LayerBuild, kernel
+from purine.caffe.layer import BUILDERS, LayerBuild, Stateful, kernel
 from purine.caffe.prototxt import filter_net, insert_splits, read_net
 from purine.errors import LayerError, PurineError
 from purine.graph import CPU, Blob, Graph, Location, Op
@@ -50,7 +49,7 @@ class NetBuilder:
         self._param_uses: dict[Blob, list[tuple[LayerBuild, int]]] = {}
         self._use_diffs: dict[tuple[str, int], Blob] = {}
         self._n_ops = 0
-        self.random_streams: dict[str, RandomStream] = {}
+        self.stateful: dict[str, Stateful] = {}  # run-time state snapshots must keep
 
         state = pb.NetState()
         state.CopyFrom(param.state)

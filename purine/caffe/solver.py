@@ -364,14 +364,15 @@ class Solver:
         return b"".join(parts)
 
     def _private_state(self) -> dict:
-        """What Caffe's SolverState has no field for: how far each random stream has gone."""
-        return {"random": {k: s.count for k, s in self.net.builder.random_streams.items()}}
+        """What Caffe's SolverState has no field for: the train net's run-time state (how
+        far each random stream and data cursor has gone), by layer."""
+        return {"stateful": {k: s.state() for k, s in self.net.builder.stateful.items()}}
 
     def _restore_private(self, state: dict) -> None:
-        streams = self.net.builder.random_streams
-        for k, count in state.get("random", {}).items():
-            if k in streams:
-                streams[k].count = int(count)
+        objects = self.net.builder.stateful
+        for k, v in state.get("stateful", {}).items():
+            if k in objects:
+                objects[k].restore(v)
 
     def _current_step(self) -> int:
         p = self.param
