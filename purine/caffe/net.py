@@ -30,9 +30,12 @@ class NetBuilder:
     def __init__(self, param: pb.NetParameter, phase: int, *, level: int = 0,
                  stages: Sequence[str] = (), seed: int = 0, location: Location = CPU,
                  threads: int = 1, input_shapes: dict[str, tuple[int, ...]] | None = None,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", replica: tuple[int, int] = (0, 1)):
         self.phase = phase
         self.dtype = dtype
+        # (index, count) of this net among data-parallel replicas: data layers read
+        # distinct batches per replica.
+        self.replica = replica
         self.seed = seed
         self.location = location
         self.threads = max(1, threads)

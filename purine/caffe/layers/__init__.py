@@ -1,4 +1,12 @@
 """Layer builders, one per Caffe type string, grouped by family; importing this package
 registers them all."""
 
-from purine.caffe.layers import array, common, loss, neuron, normalization, vision  # noqa: F401
+from purine.caffe.layers import (  # noqa: F401
+    array,
+    common,
+    data,
+    loss,
+    neuron,
+    normalization,
+    vision,
+)

@@ -1,0 +1,1 @@
+"""Builders of the data layers (Data, ImageData, MemoryData, HDF5Data)."""
