@@ -175,10 +175,10 @@ class LayerBuild:
         return self.net.graph.blob(f"{self.name}@{suffix}", shape, dtype or self.net.dtype,
                                    self.net.location)
 
-    def rng(self) -> np.random.Generator:
-        """A generator for this layer's one-off draws (fillers), seeded from the net seed
-        and layer index, so results do not depend on the order ops run in."""
-        return np.random.default_rng([self.net.seed, self.index])
+    def rng(self, key: int = 0) -> np.random.Generator:
+        """A generator for one of this layer's one-off draws (the filler of parameter
+        ``key``), seeded from the net seed, the layer index and ``key``."""
+        return np.random.default_rng([self.net.seed, self.index, key])
 
     def random_stream(self) -> RandomStream:
         """A stream for an op that draws at every run (Dropout, DummyData); the net keeps

@@ -108,7 +108,7 @@ class NetBuilder:
         if spec.name:
             self._shared[spec.name] = (layer, k)
         self._param_uses[b] = [(layer, k)]
-        self.initial[b] = fill(filler or pb.FillerParameter(), shape, layer.rng(), layer.name)
+        self.initial[b] = fill(filler or pb.FillerParameter(), shape, layer.rng(k), layer.name)
         return b
 
     def param_diff(self, layer: LayerBuild, k: int) -> Blob:

@@ -194,3 +194,11 @@ def test_unknown_type_and_missing_bottom_are_named():
         Net(net_text('layer { name: "q" type: "Quux" bottom: "x" top: "y" }'))
     with pytest.raises(ProtoError, match="layer 'r' \\(type ReLU\\): unknown bottom blob 'nope'"):
         Net(net_text('layer { name: "r" type: "ReLU" bottom: "nope" top: "y" }'))
+
+
+def test_each_parameter_gets_its_own_random_stream():
+    net = Net(net_text(f'layer {{ name: "ip" type: "InnerProduct" bottom: "x" top: "y" {IP.format(n=4)} }}'))
+    w, b = (v.data for v in net.params["ip"])
+    assert not np.allclose(w[0], b)  # same filler, same layer: different numbers
+    again = Net(net_text(f'layer {{ name: "ip" type: "InnerProduct" bottom: "x" top: "y" {IP.format(n=4)} }}'))
+    assert np.array_equal(again.params["ip"][0].data, w)
