@@ -170,6 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "stage", default=None, help="comma-separated NetState stages")
     p.set_defaults(run=cmd_test)
 
+    from converters import binaryproto, compute_image_mean, convert_imageset
+
+    for name, module, text in (
+        ("convert_imageset", convert_imageset,
+         "images and a list file -> an LMDB of Datums, as Caffe's convert_imageset"),
+        ("compute_image_mean", compute_image_mean,
+         "the mean image of an LMDB -> .binaryproto, as Caffe's compute_image_mean"),
+        ("binaryproto", binaryproto, "convert .binaryproto <-> .npy"),
+    ):
+        module.add_arguments(sub.add_parser(name, help=text))
+
     p = sub.add_parser("device_query", help="show the devices purine-caffe can use")
     _flag(p, "gpu", default=None, help="GPU ids to query")
     p.set_defaults(run=cmd_device_query)

@@ -1,0 +1,165 @@
+"""Caffe's compute_image_mean: the mean image of an LMDB of Datums (raw, float or encoded),
+written as a BlobProto (1, C, H, W) in the legacy num/channels/height/width form Caffe
+writes, and the per-channel means logged as Caffe logs them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+from google.protobuf import message
+
+from converters import ConvertError, flag, run_main
+from purine.caffe import caffe_pb2 as pb
+from purine.caffe.caffemodel import atomic_write
+from purine.caffe.wire import len_field, varint
+from purine.log import get_logger
+
+BATCH = 256  # raw datums summed per numpy call
+LOG_EVERY = 10000  # Caffe logs "Processed N files." every 10000
+
+
+def _decode(datum: pb.Datum, key: bytes) -> pb.Datum:
+    """Caffe's DecodeDatumNative: an encoded datum becomes a raw one, channels as stored."""
+    import cv2
+
+    image = cv2.imdecode(np.frombuffer(datum.data, np.uint8), cv2.IMREAD_UNCHANGED)
+    if image is None:
+        raise ConvertError(f"record {key!r}: cannot decode its encoded image")
+    if image.dtype != np.uint8:
+        raise ConvertError(f"record {key!r}: decoded image is {image.dtype}; image data type "
+                           "must be unsigned byte")
+    if image.ndim == 2:
+        image = image[:, :, None]
+    h, w, c = image.shape
+    return pb.Datum(channels=c, height=h, width=w, label=datum.label,
+                    data=np.ascontiguousarray(image.transpose(2, 0, 1)).tobytes())
+
+
+def _datums(path: str) -> Iterator[tuple[bytes, pb.Datum]]:
+    import lmdb
+
+    if not os.path.isdir(path):
+        raise ConvertError(f"{path}: no such LMDB folder")
+    try:
+        env = lmdb.open(path, readonly=True, lock=False, subdir=True)
+    except lmdb.Error as e:
+        raise ConvertError(f"{path}: cannot open the lmdb: {e}") from None
+    try:
+        with env.begin(buffers=False) as txn:
+            for key, value in txn.cursor():
+                datum = pb.Datum()
+                try:
+                    datum.ParseFromString(value)
+                except message.DecodeError:
+                    raise ConvertError(f"{path}: record {key!r} is not a Datum") from None
+                yield key, datum
+    finally:
+        env.close()
+
+
+def compute_image_mean(db: str | os.PathLike, output: str | os.PathLike | None = None, *,
+                       backend: str = "lmdb", log=None) -> np.ndarray:
+    """The mean over all datums of the LMDB ``db`` as a float32 array (1, C, H, W); written
+    to ``output`` (a .binaryproto) when given. uint8 data is summed exactly (as integers):
+    the result equals Caffe's float32 accumulation up to 65,793 images and is closer to the
+    true mean beyond; float_data is summed in float64."""
+    log = log or get_logger()
+    if backend == "leveldb":
+        raise ConvertError("backend 'leveldb' is not supported; use --backend lmdb")
+    if backend != "lmdb":
+        raise ConvertError(f"unknown backend '{backend}'; use lmdb")
+    path = os.fspath(db)
+    shape = None
+    size = count = 0
+    int_sum: np.ndarray | None = None  # uint8 data, summed exactly
+    float_sum: np.ndarray | None = None  # float_data, in float64
+    pending: list[bytes] = []
+
+    def flush() -> None:
+        nonlocal int_sum
+        if pending:
+            block = np.frombuffer(b"".join(pending), np.uint8).reshape(len(pending), size)
+            int_sum += block.sum(axis=0, dtype=np.int64)
+            pending.clear()
+
+    for key, datum in _datums(path):
+        if datum.encoded:
+            if shape is None:
+                log.info("Decoding Datum")
+            datum = _decode(datum, key)
+        if shape is None:
+            shape = (datum.channels, datum.height, datum.width)
+            size = shape[0] * shape[1] * shape[2]
+            int_sum = np.zeros(size, np.int64)
+            float_sum = np.zeros(size, np.float64)
+            log.info("Starting Iteration")
+        n = max(len(datum.data), len(datum.float_data))
+        if n != size:
+            raise ConvertError(f"{path}: record {key!r}: incorrect data field size {n}; the "
+                               f"first datum is {'x'.join(map(str, shape))} (CxHxW) = {size}")
+        if datum.data:
+            pending.append(datum.data)
+            if len(pending) == BATCH:
+                flush()
+        else:
+            float_sum += np.asarray(datum.float_data, dtype=np.float32)
+        count += 1
+        if count % LOG_EVERY == 0:
+            log.info("Processed %d files.", count)
+    if shape is None:
+        raise ConvertError(f"{path}: the database holds no records")
+    flush()
+    if count % LOG_EVERY != 0:
+        log.info("Processed %d files.", count)
+    mean = ((int_sum + float_sum) / count).astype(np.float32).reshape(1, *shape)
+    if output is not None:
+        log.info("Write to %s", os.fspath(output))
+        try:
+            atomic_write(output, mean_blob_bytes(mean))
+        except OSError as e:
+            raise ConvertError(f"{os.fspath(output)}: cannot write: {e.strerror}") from None
+    log.info("Number of channels: %d", shape[0])
+    for c, v in enumerate(mean[0].reshape(shape[0], -1).mean(axis=1, dtype=np.float64)):
+        log.info("mean_value channel [%d]:%g", c, v)
+    return mean
+
+
+def mean_blob_bytes(mean: np.ndarray) -> bytes:
+    """A 4-D array as BlobProto bytes in Caffe's legacy form: num, channels, height, width
+    (fields 1-4) and packed float data (field 5), byte for byte what Caffe's tool writes."""
+    mean = np.asarray(mean, dtype="<f4")
+    if mean.ndim != 4:
+        raise ConvertError(f"a mean blob is (1, C, H, W), got shape {mean.shape}")
+    dims = b"".join(varint(field << 3) + varint(int(d))
+                    for field, d in enumerate(mean.shape, 1))
+    return dims + b"".join(len_field(5, np.ascontiguousarray(mean).tobytes()))
+
+
+# -- the command --------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Caffe's compute_image_mean flags and arguments."""
+    if parser.description is None:
+        parser.description = "Compute the mean_image of a set of images given by an lmdb."
+    flag(parser, "backend", default="lmdb", help="the db backend: lmdb (leveldb is not "
+                                                 "supported)")
+    parser.add_argument("db", metavar="INPUT_DB", help="the LMDB of Datums")
+    parser.add_argument("output", metavar="OUTPUT_FILE", nargs="?", default=None,
+                        help="the .binaryproto to write (optional)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    compute_image_mean(args.db, args.output, backend=args.backend)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main("compute_image_mean", add_arguments, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
