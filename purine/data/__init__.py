@@ -1,0 +1,10 @@
+"""Caffe's data sources for the data layers: LMDB databases of Datum records, image lists,
+HDF5 files and arrays fed from Python; Datum decoding, Caffe's DataTransformer applied to
+whole batches, and the background prefetching that overlaps reading with computation."""
+
+from purine.errors import PurineError
+
+
+class DataError(PurineError):
+    """A database, file or record a data layer cannot use; the message names the file and
+    the record (key, list line) and what was expected."""

@@ -1,0 +1,123 @@
+"""Caffe's Datum records and images: parsing, raw (``data`` bytes or ``float_data``) and
+encoded (JPEG/PNG decoded by OpenCV as Caffe's DecodeDatumToCVMat does) payloads, the
+``.binaryproto`` mean file, and stacking decoded images into a batch."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import cv2
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from purine.caffe import caffe_pb2 as pb
+from purine.caffe.caffemodel import blob_to_array
+from purine.data import DataError
+from purine.errors import ProtoError
+
+Image = np.ndarray
+"""A decoded image: ``(C, H, W)``, possibly a transposed view of OpenCV's ``(H, W, C)``."""
+
+
+def show_key(key: bytes) -> str:
+    return key.decode("utf-8", "backslashreplace")
+
+
+def parse_datum(value: bytes, where: str) -> pb.Datum:
+    d = pb.Datum()
+    try:
+        d.ParseFromString(value)
+    except DecodeError as e:
+        raise DataError(f"{where}: not a serialized Datum ({len(value)} bytes: {e})") from None
+    return d
+
+
+def decode_flag(force_color: bool, force_gray: bool) -> int:
+    """OpenCV's read flag for an encoded record: Caffe decodes natively (keeping the stored
+    channels) unless force_color or force_gray asks for 3 or 1 channels."""
+    if force_color:
+        return cv2.IMREAD_COLOR
+    if force_gray:
+        return cv2.IMREAD_GRAYSCALE
+    return cv2.IMREAD_UNCHANGED
+
+
+def chw(img: np.ndarray) -> Image:
+    """OpenCV's (H, W) or (H, W, C) as a (C, H, W) view."""
+    return img[None] if img.ndim == 2 else img.transpose(2, 0, 1)
+
+
+def decode_image(buf: bytes | np.ndarray, flag: int, where: str) -> Image:
+    img = cv2.imdecode(np.frombuffer(buf, np.uint8), flag)
+    if img is None:
+        raise DataError(f"{where}: cannot decode the encoded image ({len(buf)} bytes); "
+                        "the record is truncated or not an image OpenCV reads")
+    return check_depth(img, where)
+
+
+def check_depth(img: np.ndarray, where: str) -> Image:
+    if img.dtype != np.uint8:
+        raise DataError(f"{where}: image of type {img.dtype}; Caffe's transformer takes 8-bit "
+                        "images only")
+    return chw(img)
+
+
+def datum_image(d: pb.Datum, flag: int, where: str) -> Image:
+    """The record's pixels as (C, H, W): uint8 for ``data``, float32 for ``float_data``."""
+    if d.encoded:
+        return decode_image(d.data, flag, where)
+    shape = (d.channels, d.height, d.width)
+    if min(shape) <= 0:
+        raise DataError(f"{where}: raw Datum with channels, height, width = {shape}")
+    n = shape[0] * shape[1] * shape[2]
+    if d.data:
+        if len(d.data) != n:
+            raise DataError(f"{where}: {len(d.data)} data bytes for channels x height x width "
+                            f"= {shape}, which needs {n}")
+        return np.frombuffer(d.data, np.uint8).reshape(shape)
+    if len(d.float_data) != n:
+        raise DataError(f"{where}: {len(d.float_data)} float_data values for channels x height"
+                        f" x width = {shape}, which needs {n}")
+    return np.asarray(d.float_data, dtype=np.float32).reshape(shape)
+
+
+def read_mean(path: str | os.PathLike) -> np.ndarray:
+    """A mean file (.binaryproto BlobProto, as compute_image_mean writes) as (C, H, W)."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise DataError(f"mean file '{path}': cannot read: {e.strerror}") from None
+    blob = pb.BlobProto()
+    try:
+        blob.ParseFromString(raw)
+        mean = blob_to_array(blob)
+    except (DecodeError, ProtoError) as e:
+        raise DataError(f"mean file '{path}': not a binary BlobProto ({e})") from None
+    if mean.ndim == 4 and mean.shape[0] == 1:
+        mean = mean[0]
+    if mean.ndim != 3:
+        raise DataError(f"mean file '{path}': shape {mean.shape}; a mean image is "
+                        "(1, channels, height, width)")
+    return mean
+
+
+def _hwc(im: Image) -> np.ndarray | None:
+    """The (H, W, C) array ``im`` is the transposed view of, if it is one."""
+    b = im.base
+    if isinstance(b, np.ndarray) and b.ndim == 3 and b.shape == im.shape[1:] + im.shape[:1] \
+            and b.flags.c_contiguous and im.strides[0] == b.itemsize:
+        return b
+    return None
+
+
+def stack(images: Sequence[Image]) -> np.ndarray:
+    """Images of one shape as a (B, C, H, W) array; OpenCV images are stacked as they are,
+    (B, H, W, C), and viewed as (B, C, H, W), so that stacking is a plain copy."""
+    dtype = np.result_type(*(im.dtype for im in images))
+    bases = [_hwc(im) for im in images]
+    if all(b is not None for b in bases):
+        return np.stack(bases).astype(dtype, copy=False).transpose(0, 3, 1, 2)
+    return np.stack(images).astype(dtype, copy=False)

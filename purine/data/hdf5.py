@@ -1,0 +1,153 @@
+"""The HDF5Data layer's source: a list of .h5 files whose datasets are named like the layer's
+tops; rows are read file after file (in a new random file order and row order every epoch
+when shuffling), a whole file loaded at a time, as Caffe's HDF5DataLayer does."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+import numpy as np
+
+from purine.data import DataError
+from purine.data.prefetch import Batch, BufferPool
+
+_SHUFFLE = 0x5E1F
+
+
+def h5py_module() -> ModuleType:
+    try:
+        import h5py
+    except ImportError:
+        raise DataError("HDF5Data needs the h5py package: pip install purine-caffe[hdf5]"
+                        ) from None
+    return h5py
+
+
+def read_file_list(source: str | os.PathLike) -> list[str]:
+    """The whitespace-separated file names of a list file; a relative name is taken from
+    the working directory, as Caffe does, else from the list file's directory."""
+    source = os.fspath(source)
+    try:
+        with open(source, encoding="utf-8") as f:
+            names = f.read().split()
+    except OSError as e:
+        raise DataError(f"HDF5 list '{source}': cannot read: {e.strerror}") from None
+    if not names:
+        raise DataError(f"HDF5 list '{source}' lists no files")
+    base = os.path.dirname(source)
+    return [n if os.path.isabs(n) or os.path.exists(n) or not os.path.exists(
+        os.path.join(base, n)) else os.path.join(base, n) for n in names]
+
+
+class HDF5Source:
+    """The files of one HDF5Data layer, checked when the net is built: every file has a
+    dataset per top, with one row count across the tops and the first file's row shape."""
+
+    def __init__(self, source: str | os.PathLike, tops: Sequence[str], *, shuffle: bool,
+                 dtype: str, seed: int = 0, index: int = 0):
+        h5py = h5py_module()
+        self.source, self.tops = os.fspath(source), list(tops)
+        self.files = read_file_list(self.source)
+        self.shuffle, self.dtype, self.seed, self.index = shuffle, np.dtype(dtype), seed, index
+        self.rows: list[int] = []
+        self.row_shapes: list[tuple[int, ...]] = []
+        for path in self.files:
+            try:
+                with h5py.File(path, "r") as f:
+                    shapes = []
+                    for t in self.tops:
+                        if t not in f or not isinstance(f[t], h5py.Dataset):
+                            raise DataError(f"HDF5 file '{path}' (listed in '{self.source}') "
+                                            f"has no dataset '{t}' for top '{t}'")
+                        if f[t].ndim < 1:
+                            raise DataError(f"HDF5 file '{path}': dataset '{t}' is a scalar; "
+                                            "it needs at least 1 axis")
+                        shapes.append(tuple(f[t].shape))
+            except OSError as e:
+                raise DataError(f"HDF5 file '{path}' (listed in '{self.source}') cannot be "
+                                f"read: {e}") from None
+            n = shapes[0][0]
+            for t, s in zip(self.tops, shapes):
+                if s[0] != n:
+                    raise DataError(f"HDF5 file '{path}': dataset '{t}' has {s[0]} rows, "
+                                    f"dataset '{self.tops[0]}' has {n}")
+            if n == 0:
+                raise DataError(f"HDF5 file '{path}' has no rows")
+            if self.row_shapes:
+                for t, s, want in zip(self.tops, shapes, self.row_shapes):
+                    if s[1:] != want:
+                        raise DataError(f"HDF5 file '{path}': dataset '{t}' rows are {s[1:]}, "
+                                        f"in '{self.files[0]}' they are {want}")
+            else:
+                self.row_shapes = [s[1:] for s in shapes]
+            self.rows.append(n)
+        self.total = sum(self.rows)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.files))
+        return np.random.default_rng([self.seed, self.index, _SHUFFLE, epoch]).permutation(
+            len(self.files))
+
+    def _row_perm(self, epoch: int, f: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.index, _SHUFFLE, epoch, f])
+        return rng.permutation(self.rows[f])
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(file index, row) of each stream position."""
+        files = np.empty(len(positions), np.int64)
+        rows = np.empty(len(positions), np.int64)
+        epochs, offsets = np.divmod(positions, self.total)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            order = self._order(int(e))
+            ends = np.cumsum(np.asarray(self.rows)[order])
+            slot = np.searchsorted(ends, offsets[sel], side="right")
+            files[sel] = order[slot]
+            rows[sel] = offsets[sel] - (ends[slot] - np.asarray(self.rows)[order[slot]])
+            if self.shuffle:
+                for f in np.unique(files[sel]):
+                    both = sel & (files == f)
+                    rows[both] = self._row_perm(int(e), int(f))[rows[both]]
+        return files, rows
+
+    def load(self, f: int) -> list[np.ndarray]:
+        h5py = h5py_module()
+        path = self.files[f]
+        try:
+            with h5py.File(path, "r") as h:
+                return [np.asarray(h[t][...], dtype=self.dtype) for t in self.tops]
+        except (OSError, KeyError) as e:
+            raise DataError(f"HDF5 file '{path}' (listed in '{self.source}') cannot be "
+                            f"read: {e}") from None
+
+
+class HDF5Batches:
+    """Batch k of replica r of R holds stream positions [(k*R + r)*batch_size, ...)."""
+
+    def __init__(self, source: HDF5Source, batch_size: int,
+                 replica: tuple[int, int] = (0, 1)):
+        self.source, self.batch_size, self.replica = source, batch_size, replica
+
+    def reader(self, pool: BufferPool | None = None) -> Callable[[int], Batch]:
+        cache: dict[int, list[np.ndarray]] = {}
+        pool = pool or BufferPool(0)
+
+        def read(k: int) -> Batch:
+            rank, count = self.replica
+            first = (k * count + rank) * self.batch_size
+            files, rows = self.source.locate(first + np.arange(self.batch_size))
+            outs = [pool.array((self.batch_size,) + s, self.source.dtype)
+                    for s in self.source.row_shapes]
+            for f in dict.fromkeys(files.tolist()):  # in the order the batch reaches them
+                if f not in cache:
+                    cache.clear()  # one file in memory at a time, as in Caffe
+                    cache[f] = self.source.load(f)
+                sel = files == f
+                for out, data in zip(outs, cache[f]):
+                    out[sel] = data[rows[sel]]
+            return tuple(outs)
+
+        return read

@@ -1,0 +1,118 @@
+"""The ImageData layer's source: a list file of ``path label`` lines, images read with
+OpenCV (color or gray, optionally resized), in list order or shuffled anew every epoch.
+Position p of the stream is line ``perm_e[p % N]`` of epoch ``e = p // N``; each epoch's
+permutation is drawn from (seed, layer index, e), so a resumed run sees the same order."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import cv2
+import numpy as np
+
+from purine.data import DataError
+from purine.data.datum import Image, check_depth
+from purine.data.prefetch import Batch, BufferPool
+from purine.data.transformer import Shape, Transformer
+
+_SHUFFLE = 0x5E1F  # keeps the epoch permutations' streams apart from the transforms'
+
+
+def read_list(path: str | os.PathLike) -> list[tuple[str, int, int]]:
+    """(image path, label, line number) per non-blank line; the label is the text after the
+    last space, as Caffe's ImageDataLayer splits a line."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise DataError(f"image list '{path}': cannot read: {e.strerror}") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.rstrip()
+        if not line:
+            continue
+        name, sep, label = line.rpartition(" ")
+        try:
+            if not sep or not name:
+                raise ValueError
+            out.append((name, int(label), n))
+        except ValueError:
+            raise DataError(f"{path}:{n}: expected 'path label' (an integer label after the "
+                            f"last space), got {line!r}") from None
+    if not out:
+        raise DataError(f"image list '{path}' lists no images")
+    return out
+
+
+class ImageList:
+    """The images of one ImageData layer and the order they are read in."""
+
+    def __init__(self, source: str | os.PathLike, *, root_folder: str = "", is_color: bool = True,
+                 new_height: int = 0, new_width: int = 0, shuffle: bool = False,
+                 seed: int = 0, index: int = 0):
+        self.source = os.fspath(source)
+        self.lines = read_list(self.source)
+        self.root, self.is_color = root_folder, is_color
+        self.size = (new_width, new_height) if new_height > 0 and new_width > 0 else None
+        self.shuffle, self.seed, self.index = shuffle, seed, index
+        self._perms: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def line(self, pos: int) -> tuple[str, int, int]:
+        n = len(self.lines)
+        epoch, i = divmod(pos, n)
+        if not self.shuffle:
+            return self.lines[i]
+        perm = self._perms.get(epoch)
+        if perm is None:
+            if len(self._perms) > 2:
+                self._perms.clear()
+            rng = np.random.default_rng([self.seed, self.index, _SHUFFLE, epoch])
+            perm = self._perms[epoch] = rng.permutation(n)
+        return self.lines[perm[i]]
+
+    def where(self, entry: tuple[str, int, int]) -> str:
+        return f"{self.source}:{entry[2]}: image '{self.root + entry[0]}'"
+
+    def image(self, entry: tuple[str, int, int]) -> Image:
+        """Caffe's ReadImageToCVMat: imread color or gray, then cv2.resize if asked."""
+        path = self.root + entry[0]
+        img = cv2.imread(path, cv2.IMREAD_COLOR if self.is_color else cv2.IMREAD_GRAYSCALE)
+        if img is None:
+            raise DataError(f"{self.where(entry)}: cannot read the image (missing, "
+                            "unreadable or not an image)")
+        if self.size is not None:
+            img = cv2.resize(img, self.size)
+        return check_depth(img, self.where(entry))
+
+
+class ImageBatches:
+    """Batch k of replica r of R holds stream positions [skip + (k*R + r)*batch_size, ...)."""
+
+    def __init__(self, images: ImageList, batch_size: int, transformer: Transformer,
+                 shape: Shape, *, dtype: str, seed: int, index: int,
+                 replica: tuple[int, int] = (0, 1), skip: int = 0):
+        self.images, self.batch_size, self.transformer = images, batch_size, transformer
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.seed, self.index, self.replica, self.skip = seed, index, replica, skip
+
+    def reader(self, pool: BufferPool | None = None) -> Callable[[int], Batch]:
+        pool = pool or BufferPool(0)
+        return lambda k: self.read(k, pool)
+
+    def read(self, k: int, pool: BufferPool) -> Batch:
+        rank, count = self.replica
+        g = k * count + rank
+        first = self.skip + g * self.batch_size
+        entries = [self.images.line(first + i) for i in range(self.batch_size)]
+        images = [self.images.image(e) for e in entries]
+        labels = np.array([e[1] for e in entries], self.dtype)
+        out = pool.array((self.batch_size,) + self.shape, self.dtype)
+        rng = (np.random.default_rng([self.seed, self.index, g])
+               if self.transformer.random else None)
+        self.transformer(images, out, rng, lambda i: self.images.where(entries[i]))
+        return out, labels
