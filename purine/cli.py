@@ -117,6 +117,15 @@ def cmd_test(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from purine.demo import run_demo
+
+    scores = run_demo(args.dir, max_iter=args.iterations, threads=args.threads)
+    summary = ", ".join(f"{k} = {v:.4f}" for k, v in scores.items())
+    get_logger().info("Demo finished: LeNet on %s: %s", args.dir, summary)
+    return 0
+
+
 def cmd_device_query(args: argparse.Namespace) -> int:
     import os
 
@@ -180,6 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
         ("binaryproto", binaryproto, "convert .binaryproto <-> .npy"),
     ):
         module.add_arguments(sub.add_parser(name, help=text))
+
+    p = sub.add_parser("demo", help="train Caffe's LeNet on the embedded MNIST digits "
+                                    "(offline, a minute or two on 2 cores)")
+    _flag(p, "dir", default="purine-demo", help="where the LMDBs and log go (default "
+                                               "./purine-demo)")
+    _flag(p, "iterations", type=int, default=1000, help="training iterations (default 1000)")
+    _flag(p, "threads", type=int, default=1, help="dispatcher worker threads")
+    p.set_defaults(run=cmd_demo)
 
     p = sub.add_parser("device_query", help="show the devices purine-caffe can use")
     _flag(p, "gpu", default=None, help="GPU ids to query")

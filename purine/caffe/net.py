@@ -280,7 +280,8 @@ class Net:
     def __init__(self, model: str | os.PathLike | pb.NetParameter, *args: Any,
                  weights: str | None = None, phase: int | str | None = None,
                  level: int = 0, stages: Sequence[str] = (), seed: int = 0,
-                 threads: int = 1, dtype: str = "float32"):
+                 threads: int = 1, dtype: str = "float32",
+                 replica: tuple[int, int] = (0, 1)):
         for a in args:
             if isinstance(a, int | str) and a in _PHASES and phase is None:
                 phase = a
@@ -291,7 +292,7 @@ class Net:
         self.phase = _PHASES[TEST if phase is None else phase]
         self.model = read_net(model)
         self._level, self._stages, self._seed, self._threads = level, tuple(stages), seed, threads
-        self._dtype = dtype
+        self._dtype, self._replica = dtype, replica
         self._input_shapes: dict[str, tuple[int, ...]] = {}
         self._shared_with: Net | None = None
         self._build()
@@ -301,7 +302,7 @@ class Net:
     def _build(self, keep: dict[Blob, np.ndarray] | None = None) -> None:
         b = NetBuilder(self.model, self.phase, level=self._level, stages=self._stages,
                        seed=self._seed, threads=self._threads, input_shapes=self._input_shapes,
-                       dtype=self._dtype)
+                       dtype=self._dtype, replica=self._replica)
         self.builder, self.graph = b, b.graph
         self.dispatcher = Dispatcher(self.graph)
         for blob, value in b.initial.items():
@@ -382,7 +383,11 @@ class Net:
         """Rebuild with the shapes given to ``blobs[name].reshape``, keeping parameters."""
         params = {p.name: self.dispatcher.array(p).copy() for ps in self.builder.layers
                   for p in ps.params}
+        states = {k: obj.state() for k, obj in self.builder.stateful.items()}
         self._build()
+        for k, state in states.items():  # data cursors and random streams go on
+            if k in self.builder.stateful:
+                self.builder.stateful[k].restore(state)
         if self._shared_with is not None:
             self.share_with(self._shared_with)
             return

@@ -113,6 +113,7 @@ class Solver:
         self._build_update()
         self.smoothed: deque[float] = deque(maxlen=max(1, p.average_loss))
         self.requested: Callable[[], str] = lambda: "none"
+        self.last_test: list[dict[str, np.ndarray]] = []
 
     # -- nets ----------------------------------------------------------------------------
     def _net_params(self, base: str) -> tuple[pb.NetParameter, list[pb.NetParameter]]:
@@ -308,7 +309,8 @@ class Solver:
                 k += 1
 
     def test_all(self) -> list[dict[str, np.ndarray]]:
-        return [self.test(i) for i in range(len(self.test_nets))]
+        self.last_test = [self.test(i) for i in range(len(self.test_nets))]
+        return self.last_test
 
     def test(self, i: int) -> dict[str, np.ndarray]:
         p, net = self.param, self.test_nets[i]
