@@ -9,7 +9,9 @@ just the data layer, over temporary LMDBs this script builds from synthetic imag
 Each case runs with the default prefetching (data_param.prefetch 4) and with prefetch 0
 (batches made on demand in the forward op: the cost of one batch on one thread). The
 steady-state rate with prefetching is the rate the prefetch thread sustains; the time of
-the forward op once its batch is prefetched is what a training iteration pays.
+the forward op once its batch is prefetched is what a training iteration pays. The same run
+measures the images/s at which the net the data feeds trains (forward + backward of
+AlexNet at batch 16, LeNet at batch 64): the data layer must be faster.
 """
 
 from __future__ import annotations
@@ -29,6 +31,22 @@ import numpy as np  # noqa: E402
 
 from purine.caffe import TRAIN, Net  # noqa: E402
 from purine.caffe import caffe_pb2 as pb  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpu_nets import NETS, inputs, train_net_param  # noqa: E402
+
+
+def training_images_per_s(name: str, iterations: int = 3) -> float:
+    """Forward + backward images/s of a model-zoo net with stand-in inputs."""
+    net = Net(train_net_param(name), phase=TRAIN)
+    data, label = inputs(name)
+    net.forward(data=data, label=label)
+    net.backward()
+    t0 = time.perf_counter()
+    for _ in range(iterations):
+        net.forward()
+        net.backward()
+    return iterations * NETS[name][1][0] / (time.perf_counter() - t0)
 
 
 def synthetic_image(rng: np.random.Generator, size: int, channels: int) -> np.ndarray:
@@ -118,26 +136,30 @@ def main() -> None:
         if "a" in cases:
             build_lmdb(os.path.join(tmp, "jpeg"), args.records, 256, 3, encoded=True)
             runs.append(("(a) JPEG 256x256 -> crop 227, mirror, mean_file",
-                         os.path.join(tmp, "jpeg"), args.batch, alex))
+                         os.path.join(tmp, "jpeg"), args.batch, alex, "alexnet"))
         if "b" in cases:
             build_lmdb(os.path.join(tmp, "raw"), args.records, 256, 3, encoded=False)
             runs.append(("(b) raw 256x256x3 -> crop 227, mirror, mean_file",
-                         os.path.join(tmp, "raw"), args.batch, alex))
+                         os.path.join(tmp, "raw"), args.batch, alex, "alexnet"))
         if "c" in cases:
             build_lmdb(os.path.join(tmp, "mnist"), max(args.records, 4096), 28, 1,
                        encoded=False)
             runs.append(("(c) raw 28x28 gray -> scale 1/256", os.path.join(tmp, "mnist"), 64,
-                         "scale: 0.00390625"))
+                         "scale: 0.00390625", "lenet"))
         print(f"{os.cpu_count()} CPUs; images/s of the Data layer's forward op "
               f"({args.batches} batches after 2 warm-up)")
-        for name, db, batch, transform in runs:
+        trains: dict[str, float] = {}
+        for name, db, batch, transform, net in runs:
             n = args.batches * (8 if batch <= 64 else 1)
             fast = images_per_s(db, batch, transform, n, 4)
             sync = images_per_s(db, batch, transform, n, 0)
             ready = ready_ms(db, batch, transform)
+            if net not in trains:
+                trains[net] = training_images_per_s(net)
             print(f"{name}, batch {batch}: {fast:9.0f} images/s prefetched, "
                   f"{sync:9.0f} images/s made on demand; the forward op takes "
-                  f"{ready:.2f} ms when its batch is ready")
+                  f"{ready:.2f} ms when its batch is ready; {net} trains at "
+                  f"{trains[net]:.0f} images/s (data / training = {fast / trains[net]:.0f}x)")
 
 
 if __name__ == "__main__":
