@@ -64,9 +64,9 @@ def read_net(source: str | os.PathLike | pb.NetParameter) -> pb.NetParameter:
     else:
         net = read_message(source, pb.NetParameter())
     if net.layers:
-        raise ProtoError(
-            f"net '{net.name}': uses the V1 'layers' field; upgrade it to the 'layer' form "
-            "(V1/V0 upgrade is not supported yet)")
+        from purine.caffe.upgrade import upgrade_net
+
+        net = upgrade_net(net)
     return upgrade_net_input(net)
 
 
