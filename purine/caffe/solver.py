@@ -85,7 +85,7 @@ class Solver:
 
     def __init__(self, source: str | os.PathLike | pb.SolverParameter, *,
                  level: int | None = None, stages: Sequence[str] | None = None,
-                 threads: int = 1, log=None, path: str | None = None):
+                 threads: int = 1, log=None, path: str | None = None, replicas: int = 1):
         if path is None:
             path = os.fspath(source) if isinstance(source, str | os.PathLike) else ""
         self.path = path
@@ -102,7 +102,13 @@ class Solver:
 
         lv, st = state(p.train_state)
         self.net = Net(train_param, phase=TRAIN, level=lv, stages=st, seed=seed,
-                       threads=threads)
+                       threads=threads, replica=(0, replicas))
+        self.replicas = None
+        if replicas > 1:  # data parallelism: the other replicas join the net's graph
+            from purine.parallel import replicate
+
+            self.replicas = replicate(self.net, train_param, replicas, level=lv,
+                                      stages=tuple(st), seed=seed)
         self.test_nets: list[Net] = []
         for i, tp in enumerate(test_params):
             s = p.test_state[i] if i < len(p.test_state) else pb.NetState()
@@ -145,7 +151,7 @@ class Solver:
     def _build_update(self) -> None:
         p, net = self.param, self.net
         b, g = net.builder, net.graph
-        loc = b.location
+        loc = self.replicas.server if self.replicas else b.location
         self._it = g.blob("solver/iter", (), "float64", loc)
         self._lr = g.blob("solver/lr", (), "float64", loc)
         ops: list[Op] = []
@@ -228,19 +234,33 @@ class Solver:
         return so.rate(it=self.iter, **self._lr_params())
 
     # -- running -------------------------------------------------------------------------
+    def _pass_ops(self) -> list[Op]:
+        """One forward/backward pass of every replica, with the gradient all-reduce."""
+        ops = self.net._forward_ops + self.net._backward_ops
+        if self.replicas:
+            ops = ops + self.replicas.pass_ops + self.replicas.reduce_ops
+        return ops
+
+    def _pass_loss(self) -> float:
+        if not self.replicas:
+            return self.net.loss
+        d = self.net.dispatcher
+        other = sum(w * float(d.array(b).sum()) for b, w in self.replicas.loss_tops)
+        return (self.net.loss + other) / self.replicas.count
+
     def _iteration(self) -> float:
         """One iteration: iter_size forward/backward passes, then the update. Returns the
-        loss averaged over the passes."""
-        net, d = self.net, self.net.dispatcher
+        loss averaged over the passes (and replicas)."""
+        d = self.net.dispatcher
         n = self.param.iter_size
         loss = 0.0
         if n == 1:
-            d.run(net._forward_ops + net._backward_ops + self.update_ops)
-            return net.loss
+            d.run(self._pass_ops() + self.update_ops)
+            return self._pass_loss()
         d.run(self.zero_ops)
         for _ in range(n):
-            d.run(net._forward_ops + net._backward_ops + self.accumulate_ops)
-            loss += net.loss
+            d.run(self._pass_ops() + self.accumulate_ops)
+            loss += self._pass_loss()
         d.run(self.update_ops)
         return loss / n
 
@@ -368,10 +388,16 @@ class Solver:
     def _private_state(self) -> dict:
         """What Caffe's SolverState has no field for: the train net's run-time state (how
         far each random stream and data cursor has gone), by layer."""
-        return {"stateful": {k: s.state() for k, s in self.net.builder.stateful.items()}}
+        return {"stateful": {k: s.state() for k, s in self._stateful().items()}}
+
+    def _stateful(self) -> dict:
+        objects = dict(self.net.builder.stateful)
+        if self.replicas:
+            objects.update(self.replicas.stateful)
+        return objects
 
     def _restore_private(self, state: dict) -> None:
-        objects = self.net.builder.stateful
+        objects = self._stateful()
         for k, v in state.get("stateful", {}).items():
             if k in objects:
                 objects[k].restore(v)

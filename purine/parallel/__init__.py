@@ -1,0 +1,65 @@
+"""Data parallelism by graph composition: the replicas of a train net are copies of its
+graph composed into one graph, each at its own location and reading its own batches, with
+the parameters bound to the first replica's; per parameter, an all-reduce op averages the
+replicas' gradients as soon as they all exist, and the solver's update ops follow it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from purine.caffe import caffe_pb2 as pb
+from purine.caffe.layer import Stateful, kernel
+from purine.caffe.net import TRAIN, Net, NetBuilder
+from purine.graph import Blob, Location, Op
+
+
+def all_reduce_mean(*arrays: Any) -> None:
+    """The last array is the first input, updated in place: the mean of all inputs, summed
+    in replica order (so the result does not depend on which replica finished first)."""
+    *grads, out = arrays
+    for g in grads[1:]:
+        out += g
+    out *= 1.0 / len(grads)
+
+
+@dataclass
+class Replicas:
+    """Replicas 1..N-1 of a train net, composed into replica 0's graph."""
+
+    count: int
+    pass_ops: list[Op] = field(default_factory=list)     # their forward and backward ops
+    reduce_ops: list[Op] = field(default_factory=list)   # one all-reduce per parameter
+    loss_tops: list[tuple[Blob, float]] = field(default_factory=list)
+    stateful: dict[str, Stateful] = field(default_factory=dict)
+    server: Location = field(default_factory=Location)  # where reduce and update ops run
+
+
+def replicate(net: Net, param: pb.NetParameter, count: int, *, level: int = 0,
+              stages: tuple[str, ...] = (), seed: int = 0) -> Replicas:
+    """Compose ``count - 1`` more replicas of ``net`` (replica 0, built with
+    ``replica=(0, count)``) into its graph. Replica r runs at worker thread r; the
+    all-reduce and (by the solver) the update ops run at thread ``count``."""
+    graph, builder = net.graph, net.builder
+    out = Replicas(count, server=Location(builder.location.device, builder.location.index,
+                                          count, builder.location.host))
+    masters = {p.name: p for p in builder.learnable_params}
+    grads: dict[str, list[Blob]] = {name: [builder.param_grad(p)] for name, p in masters.items()}
+    for r in range(1, count):
+        loc = Location(builder.location.device, builder.location.index, r,
+                       builder.location.host)
+        b = NetBuilder(param, TRAIN, level=level, stages=stages, seed=seed + r, location=loc,
+                       replica=(r, count), dtype=builder.dtype)
+        own_grads = {p.name: b.param_grad(p) for p in b.learnable_params}
+        first = len(graph.ops)
+        mapped = graph.compose(b.graph, f"replica{r}/",
+                               bind={name: masters[name] for name in own_grads})
+        out.pass_ops += graph.ops[first:]
+        for name, g in own_grads.items():
+            grads[name].append(mapped[g.name])
+        out.loss_tops += [(mapped[t.name], w) for t, w in b.loss_tops]
+        out.stateful.update({f"replica{r}/{k}": s for k, s in b.stateful.items()})
+    for name, gs in grads.items():
+        out.reduce_ops.append(graph.op(f"all_reduce/{name}", "AllReduceMean", gs, [gs[0]],
+                                       kernel(all_reduce_mean), out.server))
+    return out

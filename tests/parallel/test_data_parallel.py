@@ -1,0 +1,55 @@
+"""Synchronous data parallelism: N replicas with batch b each give, after 10 iterations,
+the weights of one replica with batch N*b fed the same samples."""
+
+import numpy as np
+import pytest
+
+from purine.caffe import caffe_pb2 as pb
+from purine.caffe.prototxt import read_net
+from purine.caffe.solver import Solver, read_solver
+from purine.datasets.mnist import load_mnist_5k, write_mnist_lmdb
+from purine.zoo import model_file
+
+
+@pytest.fixture(scope="module")
+def mnist_db(tmp_path_factory):
+    images, labels = load_mnist_5k()
+    pick = np.random.default_rng(0).permutation(len(labels))[:640]
+    path = tmp_path_factory.mktemp("mnist") / "train_lmdb"
+    write_mnist_lmdb(path, images[pick], labels[pick])
+    return str(path)
+
+
+def lenet_solver(db: str, batch: int, iters: int = 10) -> pb.SolverParameter:
+    net = read_net(model_file("lenet/lenet_train_test.prototxt"))
+    for layer in net.layer:
+        if layer.type == "Data":
+            layer.data_param.source = db
+            layer.data_param.batch_size = batch
+    s = read_solver(model_file("lenet/lenet_solver.prototxt"))
+    s.ClearField("net")
+    s.net_param.CopyFrom(net)
+    del s.test_iter[:]
+    s.test_interval = 0
+    s.max_iter = iters
+    s.display = 0
+    s.snapshot = 0
+    s.random_seed = 3
+    return s
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_replicas_equal_one_net_with_the_whole_batch(mnist_db, replicas):
+    b = 8
+    single = Solver(lenet_solver(mnist_db, b * replicas))
+    single.step(10)
+    parallel = Solver(lenet_solver(mnist_db, b), replicas=replicas)
+    locations = {op.location for op in parallel._pass_ops()}
+    assert len(locations) == replicas + 1  # one worker per replica, one for the all-reduce
+    parallel.step(10)
+    for layer, views in single.net.params.items():
+        for k, v in enumerate(views):
+            got = parallel.net.params[layer][k].data
+            np.testing.assert_allclose(got, v.data, rtol=1e-5, atol=1e-6 * np.abs(v.data).max(),
+                                       err_msg=f"{layer}[{k}]")
+    assert np.isfinite(parallel._pass_loss())
