@@ -71,11 +71,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     param.train_state.stage.extend(_stages(args.stage))
     if args.iterations is not None:
         param.max_iter = args.iterations
-    solver = Solver(param, path=args.solver, threads=args.threads, log=log)
+    solver = Solver(param, path=args.solver, threads=args.threads, log=log,
+                    replicas=args.replicas)
     for w in (args.weights or "").split(","):
         if w:
             log.info("Finetuning from %s", w)
             solver.net.copy_from(w)
+    if args.trace:
+        if args.snapshot:
+            solver.restore(args.snapshot)
+            args.snapshot = None
+        solver.trace_iteration(args.trace)
     with SignalHandler(args.sigint_effect, args.sighup_effect) as signals:
         solver.requested = signals
         solver.solve(resume=args.snapshot)
@@ -168,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "stage", default=None, help="comma-separated stages added to the train net")
     _flag(p, "threads", type=int, default=1,
           help="spread the ops over this many dispatcher worker threads")
+    _flag(p, "replicas", type=int, default=1,
+          help="data-parallel CPU replicas, each taking batch_size samples per iteration "
+               "(gradients are averaged: N replicas train as one net with N x batch_size)")
+    _flag(p, "trace", default=None,
+          help="write a Chrome trace (chrome://tracing, Perfetto) of the first iteration")
     p.set_defaults(run=cmd_train)
 
     p = sub.add_parser("test", help="score a model: run the TEST net and average outputs")

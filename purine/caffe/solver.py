@@ -264,6 +264,20 @@ class Solver:
         d.run(self.update_ops)
         return loss / n
 
+    def trace_iteration(self, path: str | os.PathLike) -> None:
+        """Run one iteration with the dispatcher's profiler on and write its Chrome trace."""
+        from purine.runtime.trace import write_chrome_trace
+
+        d = self.net.dispatcher
+        d.profile, d.trace = True, []
+        try:
+            self._iteration()
+        finally:
+            d.profile = False
+        write_chrome_trace(d.trace, path)
+        self.log.info("Wrote the trace of iteration %d to %s", self.iter - 1, path)
+        d.trace = []
+
     def step(self, iters: int) -> None:
         p, log = self.param, self.log
         stop = self.iter + iters
