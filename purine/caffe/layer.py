@@ -79,11 +79,18 @@ class LayerBuild:
         self.type = param.type
         self.index = index
         self.phase = net.phase
-        self.bottoms: list[Blob] = [net.data[b] for b in param.bottom]
+        self.location = net.placement.get(self.name, net.location)
+        if self.type == "Split" and self.name not in net.placement:
+            self.location = net.data[param.bottom[0]].location  # an implicit split stays put
+        # A bottom from another memory space arrives through a Copy op into a mirror here;
+        # its gradient goes back through a Copy op after this layer's backward.
+        self.mirrors: dict[int, Blob] = {}
         self.tops: list[Blob] = []
         self.params: list[Blob] = []
         self.forward_ops: list[Op] = []
         self.backward_ops: list[Op] = []
+        self.bottoms: list[Blob] = [self._local(i, net.data[b])
+                                    for i, b in enumerate(param.bottom)]
         self.loss_weights: list[float] = list(param.loss_weight)
         self.no_force_backward: set[int] = set()
         # Set by the net before backward() is called.
@@ -91,6 +98,18 @@ class LayerBuild:
         self.param_need: list[bool] = []
         self._saved: dict[int, Blob] = {}
         self.save_ops: list[Op] = []  # dropped again when no backward pass needs them
+
+    def _local(self, i: int, b: Blob) -> Blob:
+        if b.location.memory == self.location.memory:
+            return b
+        if self.param.bottom[i] in self.param.top:
+            raise self.error(f"an in-place layer cannot run at {self.location}, away from its "
+                             f"bottom '{b.name}' at {b.location}")
+        m = self.net.graph.blob(f"{b.name}@{self.name}/{i}", b.shape, b.dtype, self.location)
+        self.forward_ops.append(self.net.graph.op(
+            f"{self.name}/CopyIn#{i}", "Copy", [b], [m], kernel(tensor.copy), self.location))
+        self.mirrors[i] = m
+        return m
 
     # -- checks and errors ------------------------------------------------------------
     def error(self, message: str) -> LayerError:
@@ -125,7 +144,7 @@ class LayerBuild:
             if name in self.net.data:
                 raise self.error(f"top '{name}' is produced by an earlier layer too; "
                                  "only in-place tops may reuse a name")
-            b = self.net.graph.blob(name, shape, dtype or self.net.dtype, self.net.location)
+            b = self.net.graph.blob(name, shape, dtype or self.net.dtype, self.location)
         self.net.data[name] = b
         while len(self.tops) <= i:
             self.tops.append(b)
@@ -165,7 +184,12 @@ class LayerBuild:
         return self.net.diff(self.param.top[i])
 
     def bottom_diff(self, i: int) -> Blob:
-        return self.net.diff(self.param.bottom[i])
+        m = self.mirrors.get(i)
+        if m is None:
+            return self.net.diff(self.param.bottom[i])
+        name = f"{m.name}@diff"
+        g = self.net.graph
+        return g.blobs[name] if name in g.blobs else g.blob(name, m.shape, m.dtype, m.location)
 
     def param_diff(self, k: int) -> Blob:
         return self.net.param_diff(self, k)
@@ -173,7 +197,7 @@ class LayerBuild:
     def scratch(self, suffix: str, shape: Sequence[int], dtype: str | None = None) -> Blob:
         """A blob private to this layer (a mask, an argmax index, a saved statistic)."""
         return self.net.graph.blob(f"{self.name}@{suffix}", shape, dtype or self.net.dtype,
-                                   self.net.location)
+                                   self.location)
 
     def rng(self, key: int = 0) -> np.random.Generator:
         """A generator for one of this layer's one-off draws (the filler of parameter

@@ -30,8 +30,10 @@ class NetBuilder:
     def __init__(self, param: pb.NetParameter, phase: int, *, level: int = 0,
                  stages: Sequence[str] = (), seed: int = 0, location: Location = CPU,
                  threads: int = 1, input_shapes: dict[str, tuple[int, ...]] | None = None,
-                 dtype: str = "float32", replica: tuple[int, int] = (0, 1)):
+                 dtype: str = "float32", replica: tuple[int, int] = (0, 1),
+                 placement: dict[str, Location] | None = None):
         self.phase = phase
+        self.placement = dict(placement or {})  # layer name -> where its ops and blobs go
         self.dtype = dtype
         # (index, count) of this net among data-parallel replicas: data layers read
         # distinct batches per replica.
@@ -65,8 +67,8 @@ class NetBuilder:
     # -- services for LayerBuild -------------------------------------------------------
     def add_op(self, layer: LayerBuild, op_type: str, inputs: Iterable[Blob],
                outputs: Iterable[Blob], k) -> Op:
-        loc = self.location
-        if self.threads > 1:
+        loc = layer.location
+        if self.threads > 1 and not self.placement:
             loc = Location(loc.device, loc.index, self._n_ops % self.threads, loc.host)
         self._n_ops += 1
         name, n = f"{layer.name}/{op_type}", 1
@@ -102,7 +104,7 @@ class NetBuilder:
                                   f"here and {b.meta['lr_mult']} in layer '{owner.name}'")
             self._param_uses[b].append((layer, k))
             return b
-        b = self.graph.blob(f"{layer.name}[{k}]", shape, self.dtype, self.location,
+        b = self.graph.blob(f"{layer.name}[{k}]", shape, self.dtype, layer.location,
                             lr_mult=mult, decay_mult=spec.decay_mult, layer=layer.name,
                             index=k, share_name=spec.name)
         if spec.name:
@@ -165,10 +167,17 @@ class NetBuilder:
                     diff = self.diff(L.param.top[j])
                     self.seed_ops.append(self.graph.op(
                         f"{L.name}/LossWeight#{j}", "Fill", [], [diff],
-                        kernel(tensor.fill, value=w), self.location))
+                        kernel(tensor.fill, value=w), diff.location))
         for L, backward in zip(reversed(self.layers), reversed(backwards)):
             if backward is not None and any(L.bottom_need + L.param_need):
                 backward()
+                for i in L.mirrors:  # gradients back to their bottoms' memory
+                    grad = L.bottom_diff(i)
+                    if self.graph.writers(grad):
+                        target = self.diff(L.param.bottom[i])
+                        L.backward_ops.append(self.graph.op(
+                            f"{L.name}/CopyOut#{i}", "Copy", [grad], [target],
+                            kernel(tensor.copy), target.location))
             elif L.save_ops:  # nothing will read the copies taken for backward
                 self.graph.remove_ops(L.save_ops)
                 L.forward_ops = [op for op in L.forward_ops if op not in L.save_ops]
@@ -281,7 +290,8 @@ class Net:
                  weights: str | None = None, phase: int | str | None = None,
                  level: int = 0, stages: Sequence[str] = (), seed: int = 0,
                  threads: int = 1, dtype: str = "float32",
-                 replica: tuple[int, int] = (0, 1)):
+                 replica: tuple[int, int] = (0, 1),
+                 placement: dict[str, Location] | None = None):
         for a in args:
             if isinstance(a, int | str) and a in _PHASES and phase is None:
                 phase = a
@@ -292,7 +302,7 @@ class Net:
         self.phase = _PHASES[TEST if phase is None else phase]
         self.model = read_net(model)
         self._level, self._stages, self._seed, self._threads = level, tuple(stages), seed, threads
-        self._dtype, self._replica = dtype, replica
+        self._dtype, self._replica, self._placement = dtype, replica, placement
         self._input_shapes: dict[str, tuple[int, ...]] = {}
         self._shared_with: Net | None = None
         self._build()
@@ -302,7 +312,7 @@ class Net:
     def _build(self, keep: dict[Blob, np.ndarray] | None = None) -> None:
         b = NetBuilder(self.model, self.phase, level=self._level, stages=self._stages,
                        seed=self._seed, threads=self._threads, input_shapes=self._input_shapes,
-                       dtype=self._dtype, replica=self._replica)
+                       dtype=self._dtype, replica=self._replica, placement=self._placement)
         self.builder, self.graph = b, b.graph
         self.dispatcher = Dispatcher(self.graph)
         for blob, value in b.initial.items():
