@@ -8,5 +8,6 @@ from purine.caffe.layers import (  # noqa: F401
     loss,
     neuron,
     normalization,
+    python,
     vision,
 )

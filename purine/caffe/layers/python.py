@@ -1,0 +1,313 @@
+"""The ``Python`` layer: a user's class (pycaffe's ``caffe.Layer``) named by ``python_param``
+run as graph ops, and the blob objects its methods see. Set-up and the first reshape run at
+build time and fix the top shapes; the forward op calls ``reshape`` then ``forward``, the
+backward op calls ``backward``, with the blobs' arrays bound to the net's storage."""
+
+from __future__ import annotations
+
+import importlib
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from purine.caffe import caffe_pb2 as pb
+from purine.caffe.layer import LayerBuild, register
+from purine.errors import LayerError
+from purine.graph import Blob
+
+
+class PyBlob:
+    """A blob as a Python layer sees it (pycaffe's ``Blob``): ``data`` and ``diff`` arrays,
+    ``shape``, the legacy ``num``/``channels``/``height``/``width``, ``count``, ``reshape``.
+
+    After the net is built the shape is the graph's and fixed: ``reshape`` to the same shape
+    is a no-op (pycaffe layers reshape their tops at every forward), to another an error."""
+
+    def __init__(self, shape: Sequence[int] | None = None, dtype: Any = np.float32,
+                 name: str = ""):
+        self.name = name
+        self._shape = None if shape is None else tuple(int(d) for d in shape)
+        self._dtype = np.dtype(dtype)
+        self._data: Any = None
+        self._diff: Any = None
+        self._spare_diff: Any = None  # a diff no gradient blob stands behind
+        self._fixed: str | None = None  # the layer name, once the graph holds this shape
+
+    # -- arrays ------------------------------------------------------------------------
+    @property
+    def data(self) -> Any:
+        if self._data is None:
+            self._data = np.zeros(self._shape if self._shape is not None else (0,),
+                                  self._dtype)
+        return self._data
+
+    @property
+    def diff(self) -> Any:
+        if self._diff is None:
+            self._diff = self._spare(zero=False)
+        return self._diff
+
+    def _spare(self, zero: bool) -> Any:
+        shape = self._shape if self._shape is not None else (0,)
+        s = self._spare_diff
+        if s is None or s.shape != shape:
+            s = self._spare_diff = np.zeros(shape, self._dtype)
+        elif zero:
+            s[...] = 0
+        return s
+
+    def _bind(self, data: Any, diff: Any = None) -> None:
+        self._data, self._diff = data, diff
+
+    # -- shape -------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape if self._shape is not None else ()
+
+    @property
+    def count(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def _axis(self, i: int) -> int:
+        s = self.shape
+        return s[i] if i < len(s) else 1
+
+    num = property(lambda self: self._axis(0))
+    channels = property(lambda self: self._axis(1))
+    height = property(lambda self: self._axis(2))
+    width = property(lambda self: self._axis(3))
+
+    def reshape(self, *shape: int) -> None:
+        if len(shape) == 1 and isinstance(shape[0], tuple | list):
+            shape = tuple(shape[0])
+        new = tuple(int(d) for d in shape)
+        if any(d < 0 for d in new):
+            raise ValueError(f"blob '{self.name}': negative dimension in reshape{new}")
+        if new == self._shape:
+            return
+        if self._fixed is not None:
+            raise LayerError(self._fixed, "Python", f"reshape of blob '{self.name}' from "
+                             f"{self.shape} to {new} after set-up: purine-caffe builds the net "
+                             "with the shapes the first reshape() gave, and they cannot change")
+        self._shape = new
+        self._data = self._diff = self._spare_diff = None
+
+    def __repr__(self) -> str:
+        return f"<PyBlob {self.name} {self.shape}>"
+
+
+class BlobVec(list):
+    """pycaffe's ``layer.blobs``: a list of blobs; ``add_blob(*shape)`` appends a zero blob
+    that becomes one of the layer's learnable parameters."""
+
+    def add_blob(self, *shape: int) -> None:
+        b = PyBlob(shape[0] if len(shape) == 1 and isinstance(shape[0], tuple | list)
+                   else shape, np.float32, name=f"blobs[{len(self)}]")
+        b.data  # noqa: B018 - allocated now, so set-up code can fill it
+        self.append(b)
+
+
+class Layer:
+    """pycaffe's ``caffe.Layer``: subclass it and define ``setup(bottom, top)``,
+    ``reshape(bottom, top)``, ``forward(bottom, top)`` and ``backward(top, propagate_down,
+    bottom)``. Before ``setup`` the net sets ``self.param_str`` (python_param.param_str) and
+    ``self.phase`` (0 TRAIN, 1 TEST); parameters go in ``self.blobs`` via ``add_blob``."""
+
+    type = "Python"
+
+    def __init__(self, param: pb.LayerParameter | None = None):
+        # Caffe constructs the class with the layer's LayerParameter.
+        self.blobs = BlobVec()
+        self.param_str = param.python_param.param_str if param is not None else ""
+        self.phase = pb.TRAIN
+
+    def setup(self, bottom: list[PyBlob], top: list[PyBlob]) -> None:
+        pass
+
+    def reshape(self, bottom: list[PyBlob], top: list[PyBlob]) -> None:
+        pass
+
+    def forward(self, bottom: list[PyBlob], top: list[PyBlob]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} defines no forward(bottom, top)")
+
+    def backward(self, top: list[PyBlob], propagate_down: list[bool],
+                 bottom: list[PyBlob]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} defines no "
+                                  "backward(top, propagate_down, bottom)")
+
+
+class _Instance:
+    """One Python layer in one net: the user's object, the blob objects it was handed, and
+    the graph blobs they stand for."""
+
+    def __init__(self, obj: Any, where: str, bottoms: list[PyBlob], tops: list[PyBlob],
+                 blobs: list[PyBlob]):
+        self.obj, self.where = obj, where
+        self.bottoms, self.tops, self.blobs = bottoms, tops, blobs
+        self.graph_bottoms: list[Blob] = []
+        self.graph_tops: list[Blob] = []
+        self.graph_params: list[Blob] = []
+        self.param_grads: list[Blob] = []
+
+
+_INSTANCES: weakref.WeakKeyDictionary[LayerBuild, _Instance] = weakref.WeakKeyDictionary()
+
+
+def layer_object(L: LayerBuild, array: Callable[[Blob], Any]) -> Any | None:
+    """The user's object of Python layer ``L`` (None for other layers), its blobs bound to
+    the net's arrays (``array(blob)``), so ``net.layers[i].blobs[k].data`` is the parameter."""
+    inst = _INSTANCES.get(L)
+    if inst is None:
+        return None
+    for w, b in zip(inst.bottoms, inst.graph_bottoms):
+        w._bind(array(b))
+    for w, b in zip(inst.tops, inst.graph_tops):
+        w._bind(array(b))
+    for w, b, g in zip(inst.blobs, inst.graph_params, inst.param_grads):
+        w._bind(array(b), array(g))
+    return inst.obj
+
+
+def _caffe_shim() -> None:
+    """A user's module says ``import caffe``: let that resolve to purine.pycaffe when no
+    real Caffe is installed (see purine.pycaffe.install_as_caffe)."""
+    from purine import pycaffe
+
+    pycaffe.install_as_caffe()
+
+
+def _load(L: LayerBuild, module: str, name: str) -> type:
+    _caffe_shim()
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise L.error(f"cannot import python_param.module '{module}': "
+                      f"{type(e).__name__}: {e} (the module is looked up on sys.path; add "
+                      "its directory to PYTHONPATH)") from e
+    except Exception as e:
+        raise L.error(f"importing python_param.module '{module}' raised "
+                      f"{type(e).__name__}: {e}") from e
+    cls = getattr(mod, name, None)
+    if cls is None:
+        where = getattr(mod, "__file__", None) or module
+        raise L.error(f"module '{module}' ({where}) has no class '{name}' "
+                      "(python_param.layer)")
+    return cls
+
+
+def _call(layer: str, where: str, obj: Any, method: str, *args: Any) -> None:
+    fn = getattr(obj, method, None)
+    if fn is None:
+        raise LayerError(layer, "Python", f"{where} has no {method}() method")
+    try:
+        fn(*args)
+    except LayerError:
+        raise
+    except Exception as e:
+        raise LayerError(layer, "Python",
+                         f"{where}.{method} raised {type(e).__name__}: {e}") from e
+
+
+@register("Python")
+def python_layer(L: LayerBuild):
+    p = L.param.python_param
+    if not p.module or not p.layer:
+        raise L.error("python_param needs both 'module' and 'layer' (the class name)")
+    where = f"{p.module}.{p.layer}"
+    cls = _load(L, p.module, p.layer)
+    try:
+        obj = cls(L.param)
+    except Exception as e:
+        raise L.error(f"{where}(param) raised {type(e).__name__}: {e}") from e
+    if not isinstance(getattr(obj, "blobs", None), BlobVec):
+        obj.blobs = BlobVec()
+    obj.param_str = p.param_str
+    obj.phase = L.phase
+    # share_in_parallel only matters to Caffe's multi-GPU workers, which share one object
+    # per layer here anyway.
+
+    dtype = np.dtype(L.net.dtype)
+    bottoms = [PyBlob(b.shape, dtype, name) for b, name in zip(L.bottoms, L.param.bottom)]
+    tops = []
+    for name in L.param.top:
+        if name in L.param.bottom:  # in place: the top is the bottom's blob, as in Caffe
+            tops.append(bottoms[list(L.param.bottom).index(name)])
+        else:
+            tops.append(PyBlob(None, dtype, name))
+    _call(L.name, where, obj, "setup", bottoms, tops)
+    _call(L.name, where, obj, "reshape", bottoms, tops)
+    for w in tops:
+        if w._shape is None:
+            raise L.error(f"{where}.reshape did not give top '{w.name}' a shape; call "
+                          f"top[i].reshape(...) in setup or reshape")
+
+    inst = _Instance(obj, where, bottoms, tops, list(obj.blobs))
+    for w in inst.blobs:
+        b = L.add_param(w.shape, None)
+        if b in L.net.initial and b.meta.get("layer") == L.name:
+            L.net.initial[b] = np.array(w.data, dtype=dtype)  # what setup put there
+        inst.graph_params.append(b)
+        inst.param_grads.append(L.net.param_grad(b))
+    inst.graph_bottoms = list(L.bottoms)
+    inst.graph_tops = [L.top(i, w.shape) for i, w in enumerate(tops)]
+    for w in bottoms + tops + inst.blobs:
+        w._fixed = L.name
+    _INSTANCES[L] = inst
+    nb, nk = len(bottoms), len(inst.blobs)
+
+    def check_blobs() -> None:
+        if len(obj.blobs) != nk:
+            raise L.error(f"{where} has {len(obj.blobs)} blobs now and had {nk} after set-up; "
+                          "add parameter blobs in setup only")
+
+    def python_forward(*arrays: Any) -> None:
+        for w, a in zip(bottoms, arrays[:nb]):
+            w._bind(a)
+        for w, a in zip(inst.blobs, arrays[nb:nb + nk]):
+            w._bind(a)
+        for w, a in zip(tops, arrays[nb + nk:]):
+            w._bind(a)
+        # Caffe's Layer::Forward reshapes first; data layers often load the next item there.
+        _call(L.name, where, obj, "reshape", bottoms, tops)
+        check_blobs()
+        _call(L.name, where, obj, "forward", bottoms, tops)
+
+    L.forward(python_forward, list(L.bottoms) + inst.graph_params, inst.graph_tops,
+              op_type="Python")
+
+    def backward():
+        need = [L.needs_diff(i) for i in range(nb)]
+        pneed = [L.needs_param_diff(k) for k in range(nk)]
+        top_diffs = [L.top_diff(i) for i in range(len(tops))]
+        bottom_diffs = [L.bottom_diff(i) for i in range(nb) if need[i]]
+        param_diffs = [L.param_diff(k) for k in range(nk) if pneed[k]]
+        nt = len(tops)
+
+        def python_backward(*arrays: Any) -> None:
+            ins = arrays[:nb + 2 * nt + nk]
+            outs = iter(arrays[nb + 2 * nt + nk:])
+            for w, a in zip(bottoms, ins[:nb]):
+                w._bind(a)
+            for w, a, d in zip(tops, ins[nb:nb + nt], ins[nb + nt:nb + 2 * nt]):
+                w._bind(a, d)
+            for i, w in enumerate(bottoms):
+                if need[i]:
+                    d = next(outs)
+                    # Gradients overwrite; an in-place layer reads its top diff from it.
+                    if not any(d is a for a in ins):
+                        d[...] = 0
+                    w._diff = d
+                elif w not in tops:
+                    w._diff = w._spare(zero=True)
+            for k, w in enumerate(inst.blobs):
+                d = next(outs) if pneed[k] else w._spare(zero=True)
+                d[...] = 0  # Caffe clears parameter diffs before each pass
+                w._bind(ins[nb + 2 * nt + k], d)
+            check_blobs()
+            _call(L.name, where, obj, "backward", tops, list(need), bottoms)
+
+        L.backward(python_backward, list(L.bottoms) + inst.graph_tops + top_diffs
+                   + inst.graph_params, bottom_diffs + param_diffs, op_type="PythonBackward")
+    return backward

@@ -1,0 +1,72 @@
+"""pycaffe's API over purine-caffe, for scripts written against BVLC Caffe's Python module::
+
+    import purine.pycaffe as caffe
+
+    net = caffe.Net("deploy.prototxt", "weights.caffemodel", caffe.TEST)
+    solver = caffe.SGDSolver("solver.prototxt")
+    solver.step(100)
+
+``caffe.Net``, the solvers, ``caffe.Layer`` (Python layers), ``caffe.io``, ``caffe.proto``,
+``TRAIN``/``TEST`` and the mode functions. ``set_mode_gpu`` records the mode and warns:
+there is no GPU backend behind this face yet, so everything runs on the CPU.
+
+``install_as_caffe()`` makes ``import caffe`` give this module when no real Caffe is
+installed. Building a net with a ``Python`` layer calls it, so a user's layer module that
+says ``import caffe`` and subclasses ``caffe.Layer`` works unchanged; an installed Caffe is
+never replaced (the user's module then gets that Caffe's classes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from purine.caffe import TEST, TRAIN
+from purine.caffe.layer import BUILDERS
+from purine.caffe.layers.python import Layer
+from purine.pycaffe import io, proto
+from purine.pycaffe.mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed
+from purine.pycaffe.net import Net
+from purine.pycaffe.solver import (
+    AdaDeltaSolver,
+    AdaGradSolver,
+    AdamSolver,
+    NesterovSolver,
+    RMSPropSolver,
+    SGDSolver,
+    Solver,
+    get_solver,
+)
+
+__all__ = [
+    "AdaDeltaSolver", "AdaGradSolver", "AdamSolver", "Layer", "NesterovSolver", "Net",
+    "RMSPropSolver", "SGDSolver", "Solver", "TEST", "TRAIN", "get_solver", "install_as_caffe",
+    "io", "layer_type_list", "proto", "set_device", "set_mode_cpu", "set_mode_gpu",
+    "set_random_seed",
+]
+
+
+def layer_type_list() -> list[str]:
+    """The layer types nets can use, sorted (Caffe's LayerRegistry::LayerTypeList)."""
+    return sorted(BUILDERS)
+
+
+def install_as_caffe() -> bool:
+    """Make ``import caffe`` (and ``caffe.io``, ``caffe.proto.caffe_pb2``) resolve to this
+    module, unless a real ``caffe`` package is importable or already imported. Returns
+    whether ``caffe`` is now this module. A ``caffe`` directory without ``__init__.py``
+    (a Caffe source checkout seen as a namespace package) does not count as installed."""
+    this = sys.modules[__name__]
+    current = sys.modules.get("caffe")
+    if current is not None:
+        return current is this
+    spec = importlib.util.find_spec("caffe")
+    if spec is not None and spec.origin not in (None, "namespace"):
+        return False
+    sys.modules.update({
+        "caffe": this,
+        "caffe.io": io,
+        "caffe.proto": proto,
+        "caffe.proto.caffe_pb2": proto.caffe_pb2,
+    })
+    return True

@@ -1,0 +1,64 @@
+"""pycaffe's solvers: ``caffe.SGDSolver(path)`` and its siblings use their own update rule
+whatever the file's ``type`` says (as the C++ classes do); ``caffe.get_solver(path)`` uses
+the file's. Their ``net`` and ``test_nets`` are pycaffe Nets."""
+
+from __future__ import annotations
+
+import os
+
+from purine.caffe import solver as caffe_solver
+from purine.pycaffe.mode import settings
+from purine.pycaffe.net import Net
+
+
+class Solver(caffe_solver.Solver):
+    """A solver read from a solver prototxt file: ``net``, ``test_nets``, ``iter``,
+    ``step(n)``, ``solve(resume=None)``, ``snapshot()``, ``restore(path)``."""
+
+    solver_type: str | None = None  # the update rule a subclass forces
+
+    def __init__(self, path: str | os.PathLike, **kwargs):
+        param = caffe_solver.read_solver(path)
+        if self.solver_type is not None:
+            param.type = self.solver_type
+        if param.random_seed < 0 and settings.seed is not None:
+            param.random_seed = settings.seed
+        source = os.fspath(path)
+        super().__init__(param, path=source if os.path.exists(source) else "", **kwargs)
+        Net.adopt(self.net)
+        for n in self.test_nets:
+            Net.adopt(n)
+
+
+class SGDSolver(Solver):
+    solver_type = "SGD"
+
+
+class NesterovSolver(Solver):
+    solver_type = "Nesterov"
+
+
+class AdaGradSolver(Solver):
+    solver_type = "AdaGrad"
+
+
+class RMSPropSolver(Solver):
+    solver_type = "RMSProp"
+
+
+class AdaDeltaSolver(Solver):
+    solver_type = "AdaDelta"
+
+
+class AdamSolver(Solver):
+    solver_type = "Adam"
+
+
+_BY_TYPE = {c.solver_type: c for c in (SGDSolver, NesterovSolver, AdaGradSolver,
+                                       RMSPropSolver, AdaDeltaSolver, AdamSolver)}
+
+
+def get_solver(path: str | os.PathLike) -> Solver:
+    """The solver class of the file's ``type`` (SGD when unset), as Caffe's registry."""
+    kind = caffe_solver.read_solver(path).type
+    return _BY_TYPE.get(kind, Solver)(path)
