@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
@@ -55,10 +56,23 @@ def _no_gpu(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from purine.parallel import mpi
+
+    comm = mpi.world(args.mpi)  # MPI: several processes train one model
+    if comm is not None and comm.rank != 0:
+        get_logger().setLevel(logging.WARNING)  # rank 0 alone logs
+    with mpi.abort_on_error(comm):
+        return _train(args, comm)
+
+
+def _train(args: argparse.Namespace, comm) -> int:
     from purine.caffe.solver import SignalHandler, Solver, read_solver
 
     log = get_logger()
     _no_gpu(args)
+    if comm is not None:
+        log.info("MPI: %d ranks x %d replicas (%d replicas in all)", comm.size, args.replicas,
+                 comm.size * args.replicas)
     if args.weights and args.snapshot:
         raise PurineError("give --snapshot to resume training or --weights to fine-tune, "
                           "not both")
@@ -72,7 +86,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.iterations is not None:
         param.max_iter = args.iterations
     solver = Solver(param, path=args.solver, threads=args.threads, log=log,
-                    replicas=args.replicas)
+                    replicas=args.replicas, comm=comm)
     for w in (args.weights or "").split(","):
         if w:
             log.info("Finetuning from %s", w)
@@ -176,7 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
           help="spread the ops over this many dispatcher worker threads")
     _flag(p, "replicas", type=int, default=1,
           help="data-parallel CPU replicas, each taking batch_size samples per iteration "
-               "(gradients are averaged: N replicas train as one net with N x batch_size)")
+               "(gradients are averaged: N replicas train as one net with N x batch_size); "
+               "under mpirun, per rank")
+    p.add_argument("-mpi", "--mpi", action=argparse.BooleanOptionalAction, default=None,
+                   help="train one model across the processes of `mpirun -np R` (needs "
+                        "mpi4py; the default when an MPI launcher started several): rank k "
+                        "runs replicas k*N..k*N+N-1 of R*N, gradients are averaged over all, "
+                        "rank 0 alone logs and snapshots")
     _flag(p, "trace", default=None,
           help="write a Chrome trace (chrome://tracing, Perfetto) of the first iteration")
     p.set_defaults(run=cmd_train)
@@ -200,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("binaryproto", binaryproto, "convert .binaryproto <-> .npy"),
     ):
         module.add_arguments(sub.add_parser(name, help=text))
+
+    from converters import upgrade
+
+    for name, (add, text) in upgrade.TOOLS.items():
+        add(sub.add_parser(name, help=text))
 
     p = sub.add_parser("demo", help="train Caffe's LeNet on the embedded MNIST digits "
                                     "(offline, a minute or two on 2 cores)")

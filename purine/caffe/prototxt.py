@@ -63,9 +63,9 @@ def read_net(source: str | os.PathLike | pb.NetParameter) -> pb.NetParameter:
         net = parse_text(source, pb.NetParameter(), "<string>")
     else:
         net = read_message(source, pb.NetParameter())
-    if net.layers:
-        from purine.caffe.upgrade import upgrade_net
+    from purine.caffe.upgrade import net_needs_upgrade, upgrade_net
 
+    if net_needs_upgrade(net):
         net = upgrade_net(net)
     return upgrade_net_input(net)
 

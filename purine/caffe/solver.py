@@ -25,9 +25,10 @@ from purine.caffe.caffemodel import atomic_write, blob_to_array, encode_blob
 from purine.caffe.layer import kernel
 from purine.caffe.net import TEST, TRAIN, Net
 from purine.caffe.prototxt import parse_text, read_message, read_net
+from purine.caffe.upgrade import upgrade_solver
 from purine.caffe.wire import len_field, length_fields
 from purine.errors import ProtoError, PurineError
-from purine.graph import Blob, Op
+from purine.graph import Blob, Location, Op
 from purine.log import get_logger
 from purine.ops import solver as so
 from purine.ops import tensor
@@ -51,12 +52,7 @@ def read_solver(source: str | os.PathLike | pb.SolverParameter) -> pb.SolverPara
         param = parse_text(source, pb.SolverParameter())
     else:
         param = read_message(source, pb.SolverParameter())
-    if param.HasField("solver_type"):
-        if param.HasField("type") and param.type != so.SOLVER_TYPE_NAMES[param.solver_type]:
-            raise ProtoError(f"solver: both type '{param.type}' and solver_type "
-                             f"{param.solver_type} are given and they disagree")
-        param.type = so.SOLVER_TYPE_NAMES[param.solver_type]
-        param.ClearField("solver_type")
+    param = upgrade_solver(param)
     if param.type not in so.SOLVERS:
         raise ProtoError(f"solver: unknown type '{param.type}'; expected one of "
                          + ", ".join(so.SOLVERS))
@@ -81,11 +77,18 @@ class _ParamUpdate:
 
 class Solver:
     """``Solver(solver_prototxt)``: the train net, its test nets sharing its weights, the
-    update subgraph, and ``step`` / ``solve`` / ``snapshot`` / ``restore``."""
+    update subgraph, and ``step`` / ``solve`` / ``snapshot`` / ``restore``.
+
+    ``replicas=N`` trains N data-parallel replicas in this process; ``comm`` (an mpi4py
+    communicator of R ranks, every rank constructing its Solver alike) makes this rank's
+    replicas k*N .. k*N+N-1 of R*N (see purine.parallel.mpi). Then only rank 0 tests and
+    writes snapshots (snapshot() is collective: every rank's data cursors go into rank 0's
+    .solverstate, keyed by global replica), and every rank restores from the same files."""
 
     def __init__(self, source: str | os.PathLike | pb.SolverParameter, *,
                  level: int | None = None, stages: Sequence[str] | None = None,
-                 threads: int = 1, log=None, path: str | None = None, replicas: int = 1):
+                 threads: int = 1, log=None, path: str | None = None, replicas: int = 1,
+                 comm=None):
         if path is None:
             path = os.fspath(source) if isinstance(source, str | os.PathLike) else ""
         self.path = path
@@ -101,14 +104,32 @@ class Solver:
                     list(s.stage) if stages is None else list(stages))
 
         lv, st = state(p.train_state)
-        self.net = Net(train_param, phase=TRAIN, level=lv, stages=st, seed=seed,
-                       threads=threads, replica=(0, replicas))
+        # -- MPI: rank k holds replicas k*N .. k*N+N-1 of size*N (purine.parallel.mpi)
+        self.mpi = None
+        first, total = 0, replicas
+        if comm is not None and comm.size > 1:
+            from purine.parallel.mpi import Ranks
+
+            self.mpi = Ranks(comm, replicas)
+            first, total = self.mpi.first, self.mpi.total
+            test_params = test_params if self.mpi.is_root else []  # Caffe: root tests
+        # -- end MPI
+        self.net = Net(train_param, phase=TRAIN, level=lv, stages=st, seed=seed + first,
+                       threads=threads, replica=(first, total))
         self.replicas = None
         if replicas > 1:  # data parallelism: the other replicas join the net's graph
             from purine.parallel import replicate
 
             self.replicas = replicate(self.net, train_param, replicas, level=lv,
-                                      stages=tuple(st), seed=seed)
+                                      stages=tuple(st), seed=seed, first=first, total=total)
+        if self.mpi:  # -- MPI: gradient exchange ops, rank 0's initial weights everywhere
+            b = self.net.builder
+            server = (self.replicas.server if self.replicas else
+                      Location(b.location.device, b.location.index, max(1, threads),
+                               b.location.host))
+            self.mpi.build(self.net.graph, [b.param_grad(w) for w in b.learnable_params
+                                            if w.meta["lr_mult"] != 0], server)
+            self.mpi.broadcast([self.net.dispatcher.array(w) for w in b.learnable_params])
         self.test_nets: list[Net] = []
         for i, tp in enumerate(test_params):
             s = p.test_state[i] if i < len(p.test_state) else pb.NetState()
@@ -152,6 +173,8 @@ class Solver:
         p, net = self.param, self.net
         b, g = net.builder, net.graph
         loc = self.replicas.server if self.replicas else b.location
+        if self.mpi:
+            loc = self.mpi.server
         self._it = g.blob("solver/iter", (), "float64", loc)
         self._lr = g.blob("solver/lr", (), "float64", loc)
         ops: list[Op] = []
@@ -239,14 +262,17 @@ class Solver:
         ops = self.net._forward_ops + self.net._backward_ops
         if self.replicas:
             ops = ops + self.replicas.pass_ops + self.replicas.reduce_ops
+        if self.mpi:
+            ops = ops + self.mpi.ops
         return ops
 
     def _pass_loss(self) -> float:
-        if not self.replicas:
-            return self.net.loss
-        d = self.net.dispatcher
-        other = sum(w * float(d.array(b).sum()) for b, w in self.replicas.loss_tops)
-        return (self.net.loss + other) / self.replicas.count
+        loss = self.net.loss
+        if self.replicas:
+            d = self.net.dispatcher
+            other = sum(w * float(d.array(b).sum()) for b, w in self.replicas.loss_tops)
+            loss = (loss + other) / self.replicas.count
+        return self.mpi.mean(loss) if self.mpi else loss
 
     def _iteration(self) -> float:
         """One iteration: iter_size forward/backward passes, then the update. Returns the
@@ -304,6 +330,8 @@ class Solver:
             if p.snapshot and self.iter % p.snapshot == 0:
                 self.snapshot()
             action = self.requested()
+            if self.mpi:
+                action = self.mpi.agree(action)
             if action == "snapshot":
                 self.snapshot()
             elif action == "stop":
@@ -377,10 +405,15 @@ class Solver:
                               "(the default)")
         base = f"{self._prefix()}_iter_{self.iter}"
         model, state = base + ".caffemodel", base + ".solverstate"
+        private = None
+        if self.mpi:  # collective: rank 0 gathers every rank's cursors and alone writes
+            private = self.mpi.gather_state(self._private_state())
+            if private is None:
+                return model, state
         self.log.info("Snapshotting to binary proto file %s", model)
         self.net.save(model)
         self.log.info("Snapshotting solver state to binary proto file %s", state)
-        atomic_write(state, self.encode_state(model))
+        atomic_write(state, self.encode_state(model, private))
         return model, state
 
     def _history(self) -> list[Blob]:
@@ -389,14 +422,15 @@ class Solver:
         n = len(self.updates[0].history) if self.updates else 0
         return [u.history[k] for k in range(n) for u in self.updates]
 
-    def encode_state(self, model_path: str) -> bytes:
+    def encode_state(self, model_path: str, private: dict | None = None) -> bytes:
         head = pb.SolverState(iter=self.iter, learned_net=model_path,
                               current_step=self._current_step()).SerializeToString()
         d = self.net.dispatcher
         parts = [head]
         for h in self._history():
             parts += len_field(3, encode_blob(d.array(h)))
-        parts += len_field(PRIVATE_STATE_FIELD, json.dumps(self._private_state()).encode())
+        private = self._private_state() if private is None else private
+        parts += len_field(PRIVATE_STATE_FIELD, json.dumps(private).encode())
         return b"".join(parts)
 
     def _private_state(self) -> dict:
@@ -405,7 +439,10 @@ class Solver:
         return {"stateful": {k: s.state() for k, s in self._stateful().items()}}
 
     def _stateful(self) -> dict:
-        objects = dict(self.net.builder.stateful)
+        """By global replica: replica 0's keys are bare, replica g's ``replica{g}/...``."""
+        first = self.mpi.first if self.mpi else 0
+        prefix = f"replica{first}/" if first else ""
+        objects = {prefix + k: s for k, s in self.net.builder.stateful.items()}
         if self.replicas:
             objects.update(self.replicas.stateful)
         return objects
