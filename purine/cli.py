@@ -226,6 +226,22 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (add, text) in upgrade.TOOLS.items():
         add(sub.add_parser(name, help=text))
 
+    from converters import caffemodel_npz, onnx_export, summary
+    from purine import draw
+
+    for name, module, text in (
+        ("caffemodel_to_npz", caffemodel_npz,
+         "a .caffemodel's parameter blobs -> .npz of 'layer/index' arrays"),
+        ("caffemodel_summary", summary,
+         "a table of a .caffemodel's layers, blob shapes and parameter counts"),
+        ("caffe_to_onnx", onnx_export, "a deploy prototxt and its .caffemodel -> an ONNX model"),
+        ("draw", draw, "draw a net's bi-graph or layer view as Graphviz .dot/.svg/.png"),
+    ):
+        module.add_arguments(sub.add_parser(name, help=text))
+    caffemodel_npz.add_npz_arguments(sub.add_parser(
+        "npz_to_caffemodel", help="an .npz of 'layer/index' arrays + a net prototxt -> "
+                                  ".caffemodel"))
+
     p = sub.add_parser("demo", help="train Caffe's LeNet on the embedded MNIST digits "
                                     "(offline, a minute or two on 2 cores)")
     _flag(p, "dir", default="purine-demo", help="where the LMDBs and log go (default "

@@ -81,6 +81,9 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would hide snapshots from other users
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

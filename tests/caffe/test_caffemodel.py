@@ -74,3 +74,14 @@ def test_shape_mismatch_names_layer_and_both_shapes(tmp_path):
     with pytest.raises(PurineError, match=r"layer 'fc' parameter 0 has shape \(4, 6\) in the "
                                           r"file, the net expects \(3, 6\)"):
         Net(NET).copy_from(tmp_path / "o.caffemodel")
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        Net(NET).save(tmp_path / "m.caffemodel")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "m.caffemodel").st_mode) == 0o644

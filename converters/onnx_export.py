@@ -1,0 +1,584 @@
+"""``caffe_to_onnx``: a deploy net and its weights as an ONNX model, for the layers ONNX can
+express exactly at inference. Shapes are the net's own (static); every node reproduces
+Caffe's arithmetic, and a layer whose Caffe result ONNX cannot reproduce is refused."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from converters import ConvertError, flag, run_main
+from converters.caffemodel_npz import read_caffemodel
+from purine.caffe import caffe_pb2 as pb
+
+if TYPE_CHECKING:
+    from purine.caffe.layer import LayerBuild
+    from purine.caffe.net import Net
+
+# onnxruntime 1.14 and later run every operator here at opset 17, which carries the
+# single-axis Softmax of opset 13 (Caffe's) and Pad with pads as an input.
+OPSET = 17
+IR_VERSION = 8  # the IR version that came with opset 17
+ONNX_EXTRA = "pip install onnx onnxruntime  (or: pip install 'purine-caffe[onnx]')"
+
+_POOL = pb.PoolingParameter
+
+
+def _onnx():
+    try:
+        import onnx
+    except ImportError:
+        raise ConvertError(f"ONNX export needs the onnx package: {ONNX_EXTRA}") from None
+    return onnx
+
+
+class _Exporter:
+    """Walks the built net's layers in order and emits ONNX nodes. A Caffe blob written
+    several times (in-place layers) becomes one ONNX tensor per write; the last write keeps
+    the Caffe name, so the graph's outputs are named as the net's."""
+
+    def __init__(self, net: Net):
+        self.onnx = _onnx()
+        self.net = net
+        self.builder = net.builder
+        self.layers = self.builder.layers
+        self.nodes: list[Any] = []
+        self.initializers: list[Any] = []
+        self.inputs: list[Any] = []
+        self.outputs: list[Any] = []
+        self.cur: dict[str, str] = {}  # Caffe blob name -> the ONNX tensor it is now
+        self.used: set[str] = set()
+        self.node_names: set[str] = set()  # apart from tensor names; only unique
+        self.reserved = {t for L in self.layers for t in L.param.top}
+        # Layers that only rename (Dropout, Split) write no tensor of their own, so the
+        # Caffe name goes to the last layer that computes the blob.
+        self.last_writer = {t: i for i, L in enumerate(self.layers) if not _is_alias(L)
+                            for t in L.param.top}
+        self.skip: set[int] = set()
+        self.index = 0
+
+    # -- names, tensors, nodes ----------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        name, n = base, 1
+        while name in self.used or name in self.reserved:
+            n += 1
+            name = f"{base}#{n}"
+        self.used.add(name)
+        return name
+
+    def define(self, L: LayerBuild, i: int, index: int | None = None) -> str:
+        """A new tensor for top ``i`` of ``L`` (written at layer ``index``, default L's)."""
+        caffe = L.param.top[i]
+        index = self.index if index is None else index
+        if self.last_writer[caffe] == index and caffe not in self.used:
+            name = caffe
+            self.used.add(name)
+        else:
+            name = self.fresh(f"{caffe}/{self.layers[index].name}")
+        self.cur[caffe] = name
+        return name
+
+    def bottom(self, L: LayerBuild, i: int) -> str:
+        return self.cur[L.param.bottom[i]]
+
+    def alias(self, L: LayerBuild, i: int, tensor: str) -> None:
+        self.cur[L.param.top[i]] = tensor
+
+    def const(self, base: str, value: np.ndarray, dtype: Any = np.float32) -> str:
+        name = self.fresh(base)
+        a = np.ascontiguousarray(value, dtype=dtype)
+        self.initializers.append(self.onnx.numpy_helper.from_array(a, name))
+        return name
+
+    def param(self, L: LayerBuild, k: int) -> np.ndarray:
+        return np.array(self.net.dispatcher.array(L.params[k]), dtype=np.float32)
+
+    def node(self, op: str, inputs: Sequence[str], outputs: Sequence[str], name: str,
+             **attrs: Any) -> None:
+        self.nodes.append(self.onnx.helper.make_node(op, list(inputs), list(outputs),
+                                                     name=self.fresh_node(name), **attrs))
+
+    def fresh_node(self, base: str) -> str:
+        name, n = base, 1
+        while name in self.node_names:
+            n += 1
+            name = f"{base}#{n}"
+        self.node_names.add(name)
+        return name
+
+    def shape_of(self, caffe: str) -> tuple[int, ...]:
+        return self.builder.data[caffe].shape
+
+    def reshape(self, L: LayerBuild, x: str, shape: Sequence[int], out: str) -> None:
+        target = self.const(f"{L.name}/shape", np.array(shape, np.int64), np.int64)
+        self.node("Reshape", [x, target], [out], f"{L.name}/Reshape")
+
+    # -- the walk -----------------------------------------------------------------------
+    def run(self) -> Any:
+        for i, L in enumerate(self.layers):
+            if i in self.skip:
+                continue
+            self.index = i
+            handler = _HANDLERS.get(L.type)
+            if handler is None:
+                raise _unsupported(L)
+            handler(self, L)
+        for name in self.net.outputs:
+            tensor = self.cur[name]
+            if tensor != name:
+                # An alias (Dropout, Split) or an input passed through: give the output
+                # the Caffe name where it is free.
+                out = name if name not in self.used else self.fresh(f"{name}/output")
+                self.used.add(out)
+                self.node("Identity", [tensor], [out], f"{name}/output")
+                tensor = out
+            self.outputs.append(self.value_info(tensor, self.shape_of(name)))
+        helper = self.onnx.helper
+        graph = helper.make_graph(self.nodes, self.builder.param.name or "net", self.inputs,
+                                  self.outputs, self.initializers)
+        model = helper.make_model(graph, producer_name="purine-caffe",
+                                  opset_imports=[helper.make_opsetid("", OPSET)])
+        model.ir_version = IR_VERSION
+        try:
+            self.onnx.checker.check_model(model)
+            # Strict inference must reach the net's own output shapes.
+            self.onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+        except Exception as e:  # onnx's ValidationError and InferenceError types
+            raise ConvertError(f"the exported graph fails ONNX's checks (a bug in "
+                               f"caffe_to_onnx, please report it): {e}") from None
+        return model
+
+    def value_info(self, name: str, shape: Sequence[int]) -> Any:
+        return self.onnx.helper.make_tensor_value_info(name, self.onnx.TensorProto.FLOAT,
+                                                       list(shape))
+
+
+def _unsupported(L: LayerBuild, why: str = "") -> ConvertError:
+    if why:
+        return ConvertError(f"layer '{L.name}' (type {L.type}): {why}")
+    hint = ""
+    if L.type in ("Data", "ImageData", "HDF5Data", "MemoryData", "DummyData", "WindowData"):
+        hint = "; export a deploy prototxt whose inputs are Input layers"
+    elif "Loss" in L.type or L.type == "Accuracy":
+        hint = "; export a deploy prototxt, without loss and accuracy layers"
+    return ConvertError(f"layer '{L.name}' (type {L.type}): ONNX export does not support this "
+                        f"layer type{hint} (supported: {', '.join(sorted(_HANDLERS))})")
+
+
+def _is_alias(L: LayerBuild) -> bool:
+    return L.type in ("Dropout", "Split", "Silence") or (L.type == "Concat"
+                                                         and len(L.param.bottom) == 1)
+
+
+def _axis(L: LayerBuild, axis: int, ndim: int) -> int:
+    if not -ndim <= axis < ndim:
+        raise _unsupported(L, f"axis {axis} is out of range for {ndim} axes")
+    return axis % ndim
+
+
+# -- layer handlers -----------------------------------------------------------------------
+def _input(ex: _Exporter, L: LayerBuild) -> None:
+    for i, t in enumerate(L.param.top):
+        name = ex.define(L, i)
+        ex.inputs.append(ex.value_info(name, ex.shape_of(t)))
+
+
+def _split(ex: _Exporter, L: LayerBuild) -> None:
+    for i in range(len(L.param.top)):
+        ex.alias(L, i, ex.bottom(L, 0))
+
+
+def _dropout(ex: _Exporter, L: LayerBuild) -> None:
+    # Caffe's Dropout passes its bottom through unchanged outside TRAIN.
+    ex.alias(L, 0, ex.bottom(L, 0))
+
+
+def _silence(ex: _Exporter, L: LayerBuild) -> None:
+    pass
+
+
+def _conv_values(p: pb.ConvolutionParameter, name: str, spatial: int, default: int
+                 ) -> list[int]:
+    """stride / pad / dilation as Caffe reads them: the _h/_w pair, else the repeated
+    field once or per axis, else ``default`` (the builder has checked them)."""
+    if name != "dilation" and (p.HasField(f"{name}_h") or p.HasField(f"{name}_w")):
+        return [getattr(p, f"{name}_h"), getattr(p, f"{name}_w")]
+    values = list(getattr(p, name))
+    if not values:
+        return [default] * spatial
+    return [values[0 if len(values) == 1 else i] for i in range(spatial)]
+
+
+def _convolution(ex: _Exporter, L: LayerBuild) -> None:
+    p = L.param.convolution_param
+    ndim = len(L.bottoms[0].shape)
+    if _axis(L, p.axis, ndim) != 1:
+        raise _unsupported(L, f"convolution_param.axis {p.axis}: ONNX convolves with the "
+                              "channels on axis 1 only")
+    weight = ex.param(L, 0)
+    spatial = weight.ndim - 2
+    pad = _conv_values(p, "pad", spatial, 0)
+    attrs = dict(kernel_shape=list(weight.shape[2:]),
+                 strides=_conv_values(p, "stride", spatial, 1), pads=pad + pad,
+                 dilations=_conv_values(p, "dilation", spatial, 1), group=p.group)
+    ins = [ex.const(f"{L.name}/weight", weight)]
+    if p.bias_term:
+        ins.append(ex.const(f"{L.name}/bias", ex.param(L, 1)))
+    # Caffe's deconvolution weight (channels, num_output / group, kh, kw) is ONNX's
+    # ConvTranspose layout, and with these pads its output size is Caffe's.
+    op = "ConvTranspose" if L.type == "Deconvolution" else "Conv"
+    for i in range(len(L.bottoms)):
+        x = ex.bottom(L, i)
+        ex.node(op, [x] + ins, [ex.define(L, i)], f"{L.name}/{op}", **attrs)
+
+
+def _pool_values(p: pb.PoolingParameter, name: str, default: int) -> tuple[int, int]:
+    field = "kernel_size" if name == "kernel" else name
+    if p.HasField(f"{name}_h"):
+        return getattr(p, f"{name}_h"), getattr(p, f"{name}_w")
+    value = getattr(p, field) if p.HasField(field) else default
+    return value, value
+
+
+def _pool_axis(L: LayerBuild, what: str, size: int, k: int, s: int, pad: int, pooled: int
+               ) -> tuple[int, np.ndarray]:
+    """The end padding that makes ONNX's floor-rounded output size Caffe's ``pooled``, and
+    per output position the ratio (cells inside the input) / (Caffe's AVE divisor)."""
+    last = (pooled - 1) * s - pad
+    if last >= size:
+        raise _unsupported(L, f"the last pooling window along the {what} starts at {last}, "
+                              f"past the input of size {size} (kernel {k}, stride {s}, pad "
+                              f"{pad}): Caffe pools an empty window there (-FLT_MAX for MAX, "
+                              "0/0 for AVE), which ONNX cannot reproduce")
+    end = max(0, (pooled - 1) * s + k - size - pad)
+    if (size + pad + end - k) // s + 1 != pooled:  # cannot happen for Caffe's sizes
+        raise _unsupported(L, f"no ONNX padding gives Caffe's {pooled} outputs along the "
+                              f"{what}")
+    starts = np.arange(pooled) * s - pad
+    # Caffe's AVE divides by the window clipped to the padded input (size + pad) only;
+    # ONNX's count_include_pad=0 divides by the cells inside the input.
+    divisor = np.minimum(starts + k, size + pad) - starts
+    inside = np.minimum(starts + k, size) - np.maximum(starts, 0)
+    return end, inside / divisor
+
+
+def _pooling(ex: _Exporter, L: LayerBuild) -> None:
+    p = L.param.pooling_param
+    if p.pool not in (_POOL.MAX, _POOL.AVE):
+        raise _unsupported(L, f"pool {_POOL.PoolMethod.Name(p.pool)} has no ONNX form")
+    if len(L.param.top) > 1:
+        raise _unsupported(L, "the argmax (second) top of MAX pooling is not exported; "
+                              "remove that top")
+    x, is_max = ex.bottom(L, 0), p.pool == _POOL.MAX
+    y = ex.define(L, 0)
+    if p.global_pooling:
+        op = "GlobalMaxPool" if is_max else "GlobalAveragePool"
+        ex.node(op, [x], [y], f"{L.name}/{op}")
+        return
+    _, _, h, w = L.bottoms[0].shape
+    _, _, ph, pw = ex.shape_of(L.param.top[0])
+    kernel = _pool_values(p, "kernel", 0)
+    stride = _pool_values(p, "stride", p.stride)
+    pad = _pool_values(p, "pad", p.pad)
+    end_h, ratio_h = _pool_axis(L, "height", h, kernel[0], stride[0], pad[0], ph)
+    end_w, ratio_w = _pool_axis(L, "width", w, kernel[1], stride[1], pad[1], pw)
+    # Explicit end padding with floor rounding, not ceil_mode: where a ceil-rounded last
+    # window would start in the padding, onnx's shape inference keeps it and onnxruntime
+    # drops it (as Caffe does), e.g. size 3, kernel 2, stride 2, pad 1 (onnx 1.23, ORT 1.31).
+    attrs = dict(kernel_shape=list(kernel), strides=list(stride),
+                 pads=[pad[0], pad[1], end_h, end_w], ceil_mode=0)
+    if is_max:  # ONNX's MaxPool never picks a padding cell, as Caffe's clipped window
+        ex.node("MaxPool", [x], [y], f"{L.name}/MaxPool", **attrs)
+        return
+    ratio = np.outer(ratio_h, ratio_w)
+    if np.all(ratio == 1):
+        ex.node("AveragePool", [x], [y], f"{L.name}/AveragePool", count_include_pad=0,
+                **attrs)
+        return
+    mean = ex.fresh(f"{L.name}/mean_inside")
+    ex.node("AveragePool", [x], [mean], f"{L.name}/AveragePool", count_include_pad=0, **attrs)
+    ex.node("Mul", [mean, ex.const(f"{L.name}/divisor_ratio", ratio)], [y],
+            f"{L.name}/CaffeDivisor")
+
+
+def _lrn(ex: _Exporter, L: LayerBuild) -> None:
+    p = L.param.lrn_param
+    x, y = ex.bottom(L, 0), None
+    if p.norm_region == pb.LRNParameter.ACROSS_CHANNELS:
+        y = ex.define(L, 0)
+        ex.node("LRN", [x], [y], f"{L.name}/LRN", size=p.local_size, alpha=p.alpha,
+                beta=p.beta, bias=p.k)
+        return
+    # WITHIN_CHANNEL: x * (1 + alpha * mean of x^2 over the size x size box)^-beta, the
+    # mean always over size^2 cells (zeros outside), as Caffe's padded AVE pool gives.
+    half = (p.local_size - 1) // 2
+    n = L.name
+    sq, padded, mean = (ex.fresh(f"{n}/{s}") for s in ("square", "padded", "mean"))
+    scaled, shifted, factor = (ex.fresh(f"{n}/{s}") for s in ("scaled", "shifted", "factor"))
+    ex.node("Mul", [x, x], [sq], f"{n}/Square")
+    pads = ex.const(f"{n}/pads", np.array([0, 0, half, half, 0, 0, half, half]), np.int64)
+    ex.node("Pad", [sq, pads], [padded], f"{n}/Pad")
+    ex.node("AveragePool", [padded], [mean], f"{n}/AveragePool",
+            kernel_shape=[p.local_size] * 2, strides=[1, 1])
+    ex.node("Mul", [mean, ex.const(f"{n}/alpha", np.float32(p.alpha))], [scaled],
+            f"{n}/Alpha")
+    ex.node("Add", [scaled, ex.const(f"{n}/one", np.float32(1.0))], [shifted], f"{n}/Shift")
+    ex.node("Pow", [shifted, ex.const(f"{n}/minus_beta", np.float32(-p.beta))], [factor],
+            f"{n}/Pow")
+    ex.node("Mul", [x, factor], [ex.define(L, 0)], f"{n}/Mul")
+
+
+def _inner_product(ex: _Exporter, L: LayerBuild) -> None:
+    p = L.param.inner_product_param
+    shape = L.bottoms[0].shape
+    axis = _axis(L, p.axis, len(shape))
+    outer = math.prod(shape[:axis])
+    x = ex.bottom(L, 0)
+    if len(shape) != 2 or axis != 1:
+        flat = ex.fresh(f"{L.name}/flat")
+        # Flatten(axis=0) would give (1, count); Caffe's outer size is then 1 too.
+        ex.node("Flatten", [x], [flat], f"{L.name}/Flatten", axis=axis)
+        x = flat
+    ins = [x, ex.const(f"{L.name}/weight", ex.param(L, 0))]
+    if p.bias_term:
+        ins.append(ex.const(f"{L.name}/bias", ex.param(L, 1)))
+    top_shape = ex.shape_of(L.param.top[0])
+    # Caffe's weight is (num_output, K), or (K, num_output) with transpose: true.
+    if top_shape == (outer, p.num_output):
+        ex.node("Gemm", ins, [ex.define(L, 0)], f"{L.name}/Gemm", transB=0 if p.transpose
+                else 1)
+        return
+    mat = ex.fresh(f"{L.name}/matrix")
+    ex.node("Gemm", ins, [mat], f"{L.name}/Gemm", transB=0 if p.transpose else 1)
+    ex.reshape(L, mat, top_shape, ex.define(L, 0))
+
+
+def _relu(ex: _Exporter, L: LayerBuild) -> None:
+    slope = L.param.relu_param.negative_slope
+    x = ex.bottom(L, 0)
+    if slope:
+        ex.node("LeakyRelu", [x], [ex.define(L, 0)], f"{L.name}/LeakyRelu", alpha=slope)
+    else:
+        ex.node("Relu", [x], [ex.define(L, 0)], f"{L.name}/Relu")
+
+
+def _unary(op: str) -> Callable[[_Exporter, LayerBuild], None]:
+    def handler(ex: _Exporter, L: LayerBuild) -> None:
+        ex.node(op, [ex.bottom(L, 0)], [ex.define(L, 0)], f"{L.name}/{op}")
+    return handler
+
+
+def _softmax(ex: _Exporter, L: LayerBuild) -> None:
+    axis = _axis(L, L.param.softmax_param.axis, len(L.bottoms[0].shape))
+    ex.node("Softmax", [ex.bottom(L, 0)], [ex.define(L, 0)], f"{L.name}/Softmax", axis=axis)
+
+
+def _concat(ex: _Exporter, L: LayerBuild) -> None:
+    p = L.param.concat_param
+    ndim = len(L.bottoms[0].shape)
+    axis = p.concat_dim if p.HasField("concat_dim") else _axis(L, p.axis, ndim)
+    xs = [ex.bottom(L, i) for i in range(len(L.bottoms))]
+    if len(xs) == 1:
+        ex.alias(L, 0, xs[0])
+        return
+    ex.node("Concat", xs, [ex.define(L, 0)], f"{L.name}/Concat", axis=axis)
+
+
+def _eltwise(ex: _Exporter, L: LayerBuild) -> None:
+    p = L.param.eltwise_param
+    E = pb.EltwiseParameter
+    xs = [ex.bottom(L, i) for i in range(len(L.bottoms))]
+    if p.operation == E.MAX:
+        ex.node("Max", xs, [ex.define(L, 0)], f"{L.name}/Max")
+    elif p.operation == E.PROD:
+        acc = xs[0]
+        for j, x in enumerate(xs[1:], 1):
+            out = ex.define(L, 0) if j == len(xs) - 1 else ex.fresh(f"{L.name}/product{j}")
+            ex.node("Mul", [acc, x], [out], f"{L.name}/Mul")
+            acc = out
+    else:
+        terms = []
+        for j, (x, c) in enumerate(zip(xs, list(p.coeff) or [1.0] * len(xs))):
+            if c != 1.0:
+                t = ex.fresh(f"{L.name}/term{j}")
+                ex.node("Mul", [x, ex.const(f"{L.name}/coeff{j}", np.float32(c))], [t],
+                        f"{L.name}/Coeff")
+                x = t
+            terms.append(x)
+        ex.node("Sum", terms, [ex.define(L, 0)], f"{L.name}/Sum")
+
+
+def _broadcast_shape(L: LayerBuild, operand: tuple[int, ...], axis: int) -> tuple[int, ...]:
+    """``operand`` applied from ``axis`` of bottom 0, padded with trailing 1s so that
+    ONNX's right-aligned broadcasting lines it up as Caffe does."""
+    ndim = len(L.bottoms[0].shape)
+    if not operand:
+        return operand
+    axis = _axis(L, axis, ndim)
+    return operand + (1,) * (ndim - axis - len(operand))
+
+
+def _scale(ex: _Exporter, L: LayerBuild) -> None:
+    p = L.param.scale_param
+    x = ex.bottom(L, 0)
+    n = L.name
+    if len(L.bottoms) == 2:
+        s_shape = L.bottoms[1].shape
+        target = _broadcast_shape(L, s_shape, p.axis)
+        s = ex.bottom(L, 1)
+        if target != s_shape:
+            r = ex.fresh(f"{n}/scale")
+            ex.reshape(L, s, target, r)
+            s = r
+        bias_k = 0
+    else:
+        w = ex.param(L, 0)
+        s = ex.const(f"{n}/scale", w.reshape(_broadcast_shape(L, w.shape, p.axis)))
+        bias_k = 1
+    if not p.bias_term:
+        ex.node("Mul", [x, s], [ex.define(L, 0)], f"{n}/Mul")
+        return
+    b = ex.param(L, bias_k)
+    scaled = ex.fresh(f"{n}/scaled")
+    ex.node("Mul", [x, s], [scaled], f"{n}/Mul")
+    bias = ex.const(f"{n}/bias", b.reshape(_broadcast_shape(L, b.shape, p.axis)))
+    ex.node("Add", [scaled, bias], [ex.define(L, 0)], f"{n}/Add")
+
+
+def _bias(ex: _Exporter, L: LayerBuild) -> None:
+    p = L.param.bias_param
+    n = L.name
+    if len(L.bottoms) == 2:
+        b_shape = L.bottoms[1].shape
+        target = _broadcast_shape(L, b_shape, p.axis)
+        b = ex.bottom(L, 1)
+        if target != b_shape:
+            r = ex.fresh(f"{n}/bias")
+            ex.reshape(L, b, target, r)
+            b = r
+    else:
+        w = ex.param(L, 0)
+        b = ex.const(f"{n}/bias", w.reshape(_broadcast_shape(L, w.shape, p.axis)))
+    ex.node("Add", [ex.bottom(L, 0), b], [ex.define(L, 0)], f"{n}/Add")
+
+
+def _batch_norm(ex: _Exporter, L: LayerBuild) -> None:
+    p = L.param.batch_norm_param
+    shape = L.bottoms[0].shape
+    if p.HasField("use_global_stats") and not p.use_global_stats:
+        raise _unsupported(L, "use_global_stats: false normalizes by each batch's own "
+                              "statistics; ONNX's BatchNormalization uses stored ones")
+    if len(shape) < 2:
+        raise _unsupported(L, f"bottom {shape}: ONNX's BatchNormalization needs (N, C, ...)")
+    c = shape[1]
+    mean_sum, var_sum, factor = (ex.param(L, k) for k in range(3))
+    # Caffe keeps sums and their moving-average weight; a weight of 0 means no statistics.
+    f = 0.0 if factor.ravel()[0] == 0 else 1.0 / float(factor.ravel()[0])
+    mean, var = mean_sum.reshape(c) * f, var_sum.reshape(c) * f
+    gamma, beta = np.ones(c, np.float32), np.zeros(c, np.float32)
+    top_layer, top_index = L, ex.index
+    nxt = ex.index + 1
+    if nxt < len(ex.layers) and _folds(L, ex.layers[nxt], c):
+        S = ex.layers[nxt]
+        gamma = ex.param(S, 0).reshape(c)
+        if S.param.scale_param.bias_term:
+            beta = ex.param(S, 1).reshape(c)
+        top_layer, top_index = S, nxt
+        ex.skip.add(nxt)
+    n = L.name
+    ins = [ex.bottom(L, 0), ex.const(f"{n}/scale", gamma), ex.const(f"{n}/bias", beta),
+           ex.const(f"{n}/mean", mean), ex.const(f"{n}/var", var)]
+    ex.node("BatchNormalization", ins, [ex.define(top_layer, 0, top_index)],
+            f"{n}/BatchNormalization", epsilon=p.eps)
+
+
+def _folds(bn: LayerBuild, S: LayerBuild, channels: int) -> bool:
+    """A Scale right after a BatchNorm, reading only its top with a learned per-channel
+    factor, becomes the BatchNormalization's scale and bias (any other reader of the
+    BatchNorm's top would go through a Split, so the Scale's bottom would differ)."""
+    if S.type != "Scale" or len(S.param.bottom) != 1 or S.param.bottom[0] != bn.param.top[0]:
+        return False
+    return len(S.bottoms[0].shape) >= 2 and all(b.shape == (channels,) for b in S.params) \
+        and _axis(S, S.param.scale_param.axis, len(S.bottoms[0].shape)) == 1
+
+
+def _reshape(ex: _Exporter, L: LayerBuild) -> None:
+    # Flatten and Reshape: the top's shape is known, so a static Reshape reproduces both.
+    ex.reshape(L, ex.bottom(L, 0), ex.shape_of(L.param.top[0]), ex.define(L, 0))
+
+
+_HANDLERS: dict[str, Callable[[_Exporter, LayerBuild], None]] = {
+    "Input": _input, "Split": _split, "Dropout": _dropout, "Silence": _silence,
+    "Convolution": _convolution, "Deconvolution": _convolution, "Pooling": _pooling,
+    "LRN": _lrn, "InnerProduct": _inner_product, "ReLU": _relu,
+    "Sigmoid": _unary("Sigmoid"), "TanH": _unary("Tanh"), "Softmax": _softmax,
+    "Concat": _concat, "Eltwise": _eltwise, "BatchNorm": _batch_norm, "Scale": _scale,
+    "Bias": _bias, "Flatten": _reshape, "Reshape": _reshape,
+}
+
+
+# -- entry points -------------------------------------------------------------------------
+def net_to_onnx(net: Net) -> Any:
+    """The ONNX ModelProto of a built net with its current parameters (build the net in
+    phase TEST: Dropout is then the identity and BatchNorm uses its stored statistics)."""
+    return _Exporter(net).run()
+
+
+def caffe_to_onnx(model: str | os.PathLike | pb.NetParameter, weights: str | os.PathLike,
+                  output: str | os.PathLike) -> Any:
+    """Export deploy net ``model`` with the parameters of caffemodel ``weights`` to the ONNX
+    file ``output``; returns the ModelProto."""
+    from purine.caffe.caffemodel import atomic_write
+    from purine.caffe.net import Net
+
+    _onnx()  # say what to install before building a large net
+    net = Net(model, phase=pb.TEST)
+    # Caffe's copy keeps the fillers' values for a layer the file lacks; an export must not.
+    stored = read_caffemodel(weights)
+    in_file = {lp.name for lp in list(stored.layer) + list(stored.layers) if lp.blobs}
+    missing = [name for name in net.params if name not in in_file]
+    if missing:
+        raise ConvertError(f"{os.fspath(weights)}: no parameters for layer(s) "
+                           f"{', '.join(missing)} of the net")
+    net.copy_from(weights)
+    proto = net_to_onnx(net)
+    try:
+        atomic_write(output, proto.SerializeToString())
+    except OSError as e:
+        raise ConvertError(f"{os.fspath(output)}: cannot write: {e.strerror}") from None
+    return proto
+
+
+# -- the command --------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``caffe_to_onnx --model DEPLOY.prototxt --weights W.caffemodel OUT.onnx``."""
+    if parser.description is None:
+        parser.description = (f"Export a deploy net and its weights to ONNX (opset {OPSET}). "
+                              "Supported layers: " + ", ".join(sorted(_HANDLERS)) + ".")
+    flag(parser, "model", required=True, help="the deploy prototxt (Input layers)")
+    flag(parser, "weights", required=True, help="the .caffemodel with the parameters")
+    parser.add_argument("output", metavar="OUT.onnx", help="the ONNX file to write")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    proto = caffe_to_onnx(args.model, args.weights, args.output)
+    g = proto.graph
+    print(f"{args.model} + {args.weights} -> {args.output}: {len(g.node)} nodes, inputs "
+          f"{', '.join(i.name for i in g.input)}, outputs {', '.join(o.name for o in g.output)}"
+          f" (opset {OPSET})", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main("caffe_to_onnx", add_arguments, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
