@@ -1,0 +1,508 @@
+"""Model parallelism from a placement file: where each layer of a Caffe net runs, and the
+rewrite that splits a layer into towers (Krizhevsky's two-GPU AlexNet) so that each tower
+sits at a location of its own; the engine then puts Copy ops on the edges between them.
+
+A placement file lists layers with one location (the layer runs there) or several (the layer
+is split into that many towers, tower k at the k-th location)::
+
+    # a comment
+    layer: "conv1" location: "cpu:0"
+    layer { name: "conv2" location: "cpu:0" location: "cpu:1" }
+
+A location is written as ``str(Location)`` writes it: ``cpu:1``, ``gpu:0/t2`` (worker thread
+or stream 2), ``rank1/cpu:0`` (MPI rank 1).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from purine.caffe import caffe_pb2 as pb
+from purine.caffe.prototxt import filter_net, read_net
+from purine.errors import LayerError, ProtoError, PurineError
+from purine.graph import CPU, Location
+
+if TYPE_CHECKING:
+    from purine.caffe.net import Net
+
+# Layers whose channels are independent of each other: tower k computes channels k of T
+# (Dropout's towers draw masks of their own).
+PER_CHANNEL = frozenset({"ReLU", "Sigmoid", "TanH", "ELU", "AbsVal", "BNLL", "Threshold",
+                         "Power", "Exp", "Log", "Dropout", "Pooling", "LRN"})
+
+_LOCATION = re.compile(r"(?:rank(\d+)/)?(cpu|gpu):(\d+)(?:/t(\d+))?")
+_TOKEN = re.compile(r'(?P<space>[ \t\r\n]+)|(?P<comment>#[^\n]*)|"(?P<string>[^"\n]*)"'
+                    r'|(?P<word>[A-Za-z_]\w*)|(?P<punct>[:{}])')
+
+
+# -- the placement file ---------------------------------------------------------------------
+def parse_location(text: str) -> Location:
+    """A Location from the form ``str(Location)`` writes: ``[rankH/](cpu|gpu):N[/tT]``."""
+    m = _LOCATION.fullmatch(text.strip())
+    if m is None:
+        raise PurineError(f"bad location '{text}': expected [rankH/]cpu:N or [rankH/]gpu:N, "
+                          "optionally followed by /tT (thread), e.g. \"cpu:1\", \"gpu:0/t1\"")
+    host, device, index, thread = m.groups()
+    return Location(device, int(index), int(thread or 0), int(host or 0))
+
+
+def _tokens(text: str, path: str) -> list[tuple[str, str, int]]:
+    """(kind, text, line) of each word, string and punctuation mark."""
+    out, pos, line = [], 0, 1
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            what = "unterminated string" if text[pos] == '"' else f"unexpected '{text[pos]}'"
+            raise ProtoError(f"{path}:{line}: {what}")
+        kind = m.lastgroup
+        if kind in ("string", "word", "punct"):
+            out.append((kind, m.group(kind), line))
+        line += m.group(0).count("\n")
+        pos = m.end()
+    return out
+
+
+def read_placement(path: str | os.PathLike, net_param: pb.NetParameter
+                   ) -> dict[str, tuple[Location, ...]]:
+    """The placement file at ``path`` for ``net_param`` (all phases): each layer it names
+    with its locations, in file order. Errors name the file and line."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProtoError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+    known = [layer.name for layer in net_param.layer]
+    toks = _tokens(text, path)
+    out: dict[str, tuple[Location, ...]] = {}
+    lines: dict[str, int] = {}
+    i = 0
+
+    def take(kind: str, value: str | None = None) -> tuple[str, int]:
+        nonlocal i
+        want = f"'{value}'" if value else ("a quoted string" if kind == "string" else kind)
+        if i >= len(toks):
+            last = toks[-1][2] if toks else 1
+            raise ProtoError(f"{path}:{last}: expected {want}, found the end of the file")
+        k, v, line = toks[i]
+        if k != kind or (value is not None and v != value):
+            shown = f'"{v}"' if k == "string" else f"'{v}'"
+            raise ProtoError(f"{path}:{line}: expected {want}, found {shown}")
+        i += 1
+        return v, line
+
+    def location() -> Location:
+        take("punct", ":")
+        text, line = take("string")
+        try:
+            return parse_location(text)
+        except PurineError as e:
+            raise ProtoError(f"{path}:{line}: {e}") from None
+
+    while i < len(toks):
+        _, line = take("word", "layer")
+        name, locs = None, []
+        if i < len(toks) and toks[i][1] == "{":
+            take("punct", "{")
+            while i < len(toks) and toks[i][1] != "}":
+                field, fline = take("word")
+                if field == "name":
+                    if name is not None:
+                        raise ProtoError(f"{path}:{fline}: a layer block has one name")
+                    take("punct", ":")
+                    name, line = take("string")
+                elif field == "location":
+                    locs.append(location())
+                else:
+                    raise ProtoError(f"{path}:{fline}: unknown field '{field}' in a layer "
+                                     "block (expected name or location)")
+            take("punct", "}")
+            if name is None:
+                raise ProtoError(f"{path}:{line}: a layer block needs a name")
+        else:
+            take("punct", ":")
+            name, line = take("string")
+            while i < len(toks) and toks[i][1] == "location":
+                i += 1
+                locs.append(location())
+        if not locs:
+            raise ProtoError(f"{path}:{line}: layer '{name}' has no location")
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=3)
+            hint = f" (did you mean {', '.join(repr(n) for n in near)}?)" if near else ""
+            raise ProtoError(f"{path}:{line}: net '{net_param.name}' has no layer '{name}'"
+                             f"{hint}")
+        if name in out:
+            raise ProtoError(f"{path}:{line}: layer '{name}' is placed twice (first on line "
+                             f"{lines[name]})")
+        out[name], lines[name] = tuple(locs), line
+    return out
+
+
+# -- splitting layers into towers ----------------------------------------------------------
+@dataclass
+class Towers:
+    """One layer of the original net split into towers: their layer names, and for each
+    parameter blob the axis along which the towers' blobs join into the original."""
+
+    names: list[str]
+    axes: list[int]
+
+
+@dataclass
+class SplitNet:
+    """What ``split_towers`` made of a net: the new net and where its layers go, the towers
+    of each split layer, and for each blob of the original net where its final value is
+    (one blob name, or the towers' parts to join along the channel axis)."""
+
+    net: pb.NetParameter
+    placement: dict[str, Location]
+    towers: dict[str, Towers]
+    blobs: dict[str, tuple[str, ...]]
+    original: pb.NetParameter  # the original net, filtered for the phase
+
+    def split_params(self, params: Mapping[str, Sequence[np.ndarray]]
+                     ) -> dict[str, list[np.ndarray]]:
+        """The original net's parameter arrays by layer name (a caffemodel's) in the split
+        net's layout: tower k of T takes part k of T of each array along its axis, e.g.
+        ``weight[k*M/T:(k+1)*M/T]`` of a Convolution's (M, C/group, kh, kw) weight."""
+        out: dict[str, list[np.ndarray]] = {}
+        for name, arrays in params.items():
+            t = self.towers.get(name)
+            if t is None:
+                out[name] = list(arrays)
+                continue
+            if len(arrays) != len(t.axes):
+                raise PurineError(f"layer '{name}' has {len(t.axes)} parameter blobs, got "
+                                  f"{len(arrays)}")
+            n = len(t.names)
+            for a, axis in zip(arrays, t.axes, strict=True):
+                if a.ndim <= axis or a.shape[axis] % n:
+                    raise PurineError(f"layer '{name}': a parameter of shape {a.shape} does "
+                                      f"not split into {n} towers along axis {axis}")
+            for k, tower in enumerate(t.names):
+                out[tower] = [np.split(np.asarray(a), n, axis)[k].copy()
+                              for a, axis in zip(arrays, t.axes, strict=True)]
+        return out
+
+    def join_params(self, params: Mapping[str, Sequence[np.ndarray]]
+                    ) -> dict[str, list[np.ndarray]]:
+        """The inverse of ``split_params``: the towers' arrays joined back by original
+        layer name (for a caffemodel of the original net, or to compare gradients)."""
+        tower_of = {n: name for name, t in self.towers.items() for n in t.names}
+        out: dict[str, list[np.ndarray]] = {}
+        for name, arrays in params.items():
+            orig = tower_of.get(name)
+            if orig is None:
+                out[name] = list(arrays)
+            elif orig not in out:
+                t = self.towers[orig]
+                out[orig] = [np.concatenate([params[n][j] for n in t.names], axis)
+                             for j, axis in enumerate(t.axes)]
+        return out
+
+    def params(self, net: Net, diff: bool = False) -> dict[str, list[np.ndarray]]:
+        """``net``'s (a Net of the split net) parameters, or their gradients, in the
+        original net's layout."""
+        return self.join_params({name: [v.diff if diff else v.data for v in views]
+                                 for name, views in net.params.items()})
+
+    def blob(self, net: Net, name: str, diff: bool = False) -> np.ndarray:
+        """The data (or diff) of the original net's blob ``name`` in ``net``, a Net of the
+        split net, its towers' parts joined along the channel axis."""
+        if name not in self.blobs:
+            raise PurineError(f"net '{self.original.name}' has no blob '{name}'")
+        arrays = [net.blobs[n].diff if diff else net.blobs[n].data for n in self.blobs[name]]
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, 1)
+
+    def load(self, net: Net, weights: str | os.PathLike | Mapping[str, Sequence[np.ndarray]]
+             ) -> None:
+        """Copy the original net's parameters (a caffemodel's path, or arrays by layer
+        name) into ``net``, a Net of the split net; layers the weights lack keep theirs."""
+        if not isinstance(weights, Mapping):
+            from purine.caffe.caffemodel import load_weights
+
+            weights = load_weights(weights)
+        weights = {name: [self._legacy(net, name, j, np.asarray(a)) for j, a in enumerate(arrays)]
+                   for name, arrays in weights.items()}
+        for name, arrays in self.split_params(weights).items():
+            views = net.params.get(name)
+            if views is None:
+                continue
+            if len(arrays) != len(views):
+                raise PurineError(f"layer '{name}' has {len(arrays)} parameter blobs in the "
+                                  f"weights, the net expects {len(views)}")
+            for k, (v, a) in enumerate(zip(views, arrays, strict=True)):
+                if a.shape != v.shape:
+                    raise PurineError(f"layer '{name}' parameter {k} has shape {a.shape} in "
+                                      f"the weights, the net expects {v.shape}")
+                v.data[...] = a
+
+    def save(self, net: Net, path: str | os.PathLike) -> None:
+        """Write ``net``'s (a Net of the split net) parameters as a caffemodel of the
+        original net, which Caffe and unsplit nets load."""
+        from purine.caffe.caffemodel import save_net
+
+        save_net(self.original.name, [lp for lp in self.original.layer if lp.type != "Split"],
+                 self.params(net), path)
+
+    def _legacy(self, net: Net, name: str, j: int, a: np.ndarray) -> np.ndarray:
+        """Old caffemodels store every blob as 4-d, e.g. (1, 1, N, K): give a split
+        layer's blob the original shape (a tower's, times T along the split axis) before
+        it is cut."""
+        t = self.towers.get(name)
+        views = net.params.get(t.names[0]) if t else None
+        if t is None or views is None or j >= len(views):
+            return a
+        want = tuple(d * len(t.names) if i == t.axes[j] else d
+                     for i, d in enumerate(views[j].shape))
+        ones = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
+        return a.reshape(want) if a.shape != want and ones(a.shape) == ones(want) else a
+
+
+@dataclass
+class _Value:
+    """The current forms of one blob of the original net in the split net: whole copies at
+    locations, and the towers' channel parts (None while stale or never made)."""
+
+    full: list[tuple[str, Location]]
+    parts: list[tuple[str, Location]] | None = None
+
+
+class _Rewrite:
+    """The layer-by-layer rewrite behind ``split_towers``."""
+
+    def __init__(self, net: pb.NetParameter, default: Location):
+        self.default = default
+        self.out = pb.NetParameter()
+        self.out.CopyFrom(net)
+        del self.out.layer[:]
+        self.placement: dict[str, Location] = {}
+        self.towers: dict[str, Towers] = {}
+        self.values: dict[str, _Value] = {}
+        self.old_layers = {lp.name for lp in net.layer}
+        self.old_blobs = {t for lp in net.layer for t in list(lp.top) + list(lp.bottom)}
+        self.new_layers: set[str] = set()
+        self.new_blobs: set[str] = set()
+
+    # -- names ---------------------------------------------------------------------------
+    def _fresh(self, base: str, taken: set[str], reserved: set[str], own: str = "") -> str:
+        name, n = base, 1
+        while name in taken or (name in reserved and name != own):
+            n += 1
+            name = f"{base}#{n}"
+        taken.add(name)
+        return name
+
+    def blob_name(self, base: str, own: str = "") -> str:
+        return self._fresh(base, self.new_blobs, self.old_blobs, own)
+
+    def layer_name(self, base: str) -> str:
+        return self._fresh(base, self.new_layers, self.old_layers)
+
+    def add(self, lp: pb.LayerParameter, loc: Location | None) -> None:
+        self.new_layers.add(lp.name)
+        self.new_blobs.update(lp.top)
+        self.out.layer.add().CopyFrom(lp)
+        if loc is not None:
+            self.placement[lp.name] = loc
+
+    # -- the forms of a blob -------------------------------------------------------------
+    def full(self, blob: str, at: Location, consumer: str) -> str:
+        """A name of ``blob``'s whole value for a layer at ``at``: a copy in that memory
+        space, else a Concat of the towers' parts made there (so that only the parts from
+        elsewhere travel), else a copy elsewhere (the engine adds the Copy op)."""
+        v = self.values.get(blob)
+        if v is None:
+            return blob  # not produced: the net builder reports the unknown bottom
+        for name, loc in v.full:
+            if loc.memory == at.memory:
+                return name
+        if v.parts is None:
+            return v.full[0][0]
+        name = blob if blob not in self.new_blobs else self.blob_name(f"{blob}@{consumer}")
+        self.new_blobs.add(name)
+        cat = pb.LayerParameter(name=self.layer_name(f"{name}/concat"), type="Concat",
+                                bottom=[n for n, _ in v.parts], top=[name])
+        self.add(cat, at)
+        v.full.append((name, at))
+        return name
+
+    def parts(self, blob: str, count: int, consumer: pb.LayerParameter) -> list[str]:
+        """Names of ``blob``'s ``count`` channel parts: the towers' own, else a Slice of a
+        whole copy, made where that copy is."""
+        v = self.values.get(blob)
+        if v is None:
+            raise LayerError(consumer.name, consumer.type, f"unknown bottom blob '{blob}'; no "
+                             "earlier layer has it as a top")
+        if v.parts is not None and len(v.parts) == count:
+            return [n for n, _ in v.parts]
+        if v.full:
+            src, at = v.full[0]
+        else:  # parts for another number of towers: join them, then cut anew
+            at = v.parts[0][1]
+            src = self.full(blob, at, consumer.name)
+        names = [self.blob_name(f"{blob}/tower{k}") for k in range(count)]
+        cut = pb.LayerParameter(name=self.layer_name(f"{blob}/slice"), type="Slice",
+                                bottom=[src], top=names)
+        self.add(cut, at)
+        v.parts = [(n, at) for n in names]
+        return names
+
+    # -- layers --------------------------------------------------------------------------
+    def keep(self, lp: pb.LayerParameter, loc: Location | None) -> None:
+        at = loc or self.default
+        new = pb.LayerParameter()
+        new.CopyFrom(lp)
+        for j, b in enumerate(lp.bottom):
+            new.bottom[j] = self.full(b, at, lp.name)
+        for j, t in enumerate(lp.top):
+            if t in lp.bottom:  # in place: the whole copy it writes is the only current one
+                name = new.bottom[list(lp.bottom).index(t)]
+                new.top[j] = name
+                self.values[t] = _Value([(name, at)])
+            else:
+                self.values[t] = _Value([(t, at)])
+        self.add(new, loc)
+
+    def split(self, lp: pb.LayerParameter, locs: tuple[Location, ...]) -> None:
+        n = len(locs)
+
+        def error(message: str) -> LayerError:
+            return LayerError(lp.name, lp.type, f"cannot be split into {n} towers: {message}")
+
+        if len(lp.bottom) != 1 or len(lp.top) != 1:
+            raise error(f"it has {len(lp.bottom)} bottoms and {len(lp.top)} tops; a split "
+                        "layer has one of each")
+        if any(spec.name for spec in lp.param):
+            raise error("it shares parameters by name")
+        by_input, axes, group = self._mode(lp, n, error)
+        x, y = lp.bottom[0], lp.top[0]
+        names = [self.layer_name(f"{lp.name}/tower{k}") for k in range(n)]
+        if by_input:
+            inputs = self.parts(x, n, lp)
+        else:
+            inputs = [self.full(x, loc, name) for loc, name in zip(locs, names, strict=True)]
+        # In place where the part is in the tower's memory; elsewhere the tower reads a
+        # copy of it, so it writes a top of its own, which then holds the part's value.
+        here = [loc for _, loc in self.values[x].parts] if x == y and by_input else []
+        outputs = [inputs[k] if here and here[k].memory == locs[k].memory
+                   else self.blob_name(f"{y}/tower{k}") for k in range(n)]
+        for k in range(n):
+            tower = pb.LayerParameter()
+            tower.CopyFrom(lp)
+            tower.name, tower.bottom[0], tower.top[0] = names[k], inputs[k], outputs[k]
+            if lp.type == "Convolution":
+                tower.convolution_param.num_output //= n
+                tower.convolution_param.group = group
+            elif lp.type == "InnerProduct":
+                tower.inner_product_param.num_output //= n
+            self.add(tower, locs[k])
+        self.values[y] = _Value([], list(zip(outputs, locs, strict=True)))
+        self.towers[lp.name] = Towers(names, axes)
+
+    @staticmethod
+    def _mode(lp: pb.LayerParameter, n: int, error) -> tuple[bool, list[int], int]:
+        """(whether tower k takes channel part k of the bottom, or all of it; the axis each
+        parameter blob splits along; a Convolution tower's group)."""
+        if lp.type == "Convolution":
+            p = lp.convolution_param
+            if p.axis != 1:
+                raise error(f"its channel axis is {p.axis}; towers split axis 1")
+            if p.num_output % n:
+                raise error(f"num_output {p.num_output} is not a multiple of {n}")
+            axes = [0, 0] if p.bias_term else [0]
+            if p.group % n == 0:  # tower k takes groups k*G/n .. (k+1)*G/n - 1
+                return True, axes, p.group // n
+            if p.group == 1:  # tower k computes outputs k of n from every input channel
+                return False, axes, 1
+            raise error(f"group {p.group} is neither a multiple of {n} (each tower takes its "
+                        "share of the groups) nor 1 (each tower sees every channel)")
+        if lp.type == "InnerProduct":
+            p = lp.inner_product_param
+            if p.axis != 1:
+                raise error(f"its axis is {p.axis}; towers split axis 1")
+            if p.num_output % n:
+                raise error(f"num_output {p.num_output} is not a multiple of {n}")
+            return False, [1 if p.transpose else 0] + ([0] if p.bias_term else []), 1
+        if lp.type == "LRN" and lp.lrn_param.norm_region == pb.LRNParameter.ACROSS_CHANNELS:
+            raise error("LRN across channels mixes neighbouring channels of two towers; "
+                        "leave it whole (or use norm_region: WITHIN_CHANNEL)")
+        if lp.type in PER_CHANNEL:
+            return True, [], 1
+        raise error(f"towers can split Convolution, InnerProduct and the per-channel layers "
+                    f"{', '.join(sorted(PER_CHANNEL))}")
+
+    def finish(self, net: pb.NetParameter) -> None:
+        """Join the towers' parts of the net's outputs, so that the split net has the
+        original's outputs (Caffe's rule: tops no later layer consumes)."""
+        available: list[str] = []
+        for lp in net.layer:
+            available = [t for t in available if t not in lp.bottom]
+            available += [t for t in lp.top if t not in available]
+        for blob in available:
+            if not self.values[blob].full:
+                self.full(blob, self.default, "output")
+
+
+def split_towers(net_param: pb.NetParameter,
+                 placement: Mapping[str, Location | Sequence[Location]], *,
+                 phase: int = pb.TRAIN, level: int = 0, stages: Sequence[str] = (),
+                 default: Location = CPU) -> SplitNet:
+    """The net for one NetState (phase, level, stages) with each layer that ``placement``
+    gives several locations split into towers, tower k at location k:
+
+    - a Convolution with ``group`` a multiple of T: T Convolutions of group/T, each taking
+      its part of the bottom's channels (a Slice where the bottom is whole);
+    - a Convolution with group 1, or an InnerProduct: each tower computes num_output/T of
+      the outputs from the whole bottom;
+    - a per-channel layer (ReLU, Pooling, LRN within channels, ...): on the towers' parts.
+
+    Tower layers are named ``conv2/tower0``, their tops ``conv2/tower0``; a layer left whole
+    that reads a split blob reads a Concat of the parts under the original name, made at
+    that layer's location, so the rest of the net is unchanged and a Copy op appears only
+    where data crosses between towers. Parameters split along their first axis (an
+    InnerProduct's transposed weight along its second): ``SplitNet.split_params`` maps the
+    original net's weights to the towers. ``default`` is where unplaced layers run (the
+    ``location`` of the Net that will be built). Layers of other phases are ignored, so one
+    placement serves a train net and its test nets."""
+    param = read_net(net_param)
+    state = pb.NetState()
+    state.CopyFrom(param.state)
+    state.phase, state.level = phase, level
+    state.stage.extend(s for s in stages if s not in state.stage)
+    param = filter_net(param, state)
+    where = {name: (locs,) if isinstance(locs, Location) else tuple(locs)
+             for name, locs in placement.items()}
+    for name, locs in where.items():
+        if not locs:
+            raise PurineError(f"placement gives layer '{name}' no location")
+    r = _Rewrite(param, default)
+    for lp in param.layer:
+        locs = where.get(lp.name)
+        if locs is not None and len(locs) > 1:
+            r.split(lp, locs)
+        else:
+            r.keep(lp, locs[0] if locs else None)
+    r.finish(param)
+    blobs = {}
+    for name, v in r.values.items():
+        whole = [n for n, _ in v.full]
+        blobs[name] = ((name,) if name in whole else (whole[0],)) if whole else tuple(
+            n for n, _ in v.parts or [])
+    return SplitNet(r.out, r.placement, r.towers, blobs, param)
+
+
+def place(net_param: pb.NetParameter, path: str | os.PathLike, *, phase: int = pb.TRAIN,
+          level: int = 0, stages: Sequence[str] = (), default: Location = CPU) -> SplitNet:
+    """``split_towers`` of ``net_param`` with the placement file at ``path``."""
+    param = read_net(net_param)
+    return split_towers(param, read_placement(path, param), phase=phase, level=level,
+                        stages=stages, default=default)
