@@ -25,8 +25,18 @@ def cmd_time(args: argparse.Namespace) -> int:
 
     log = get_logger()
     _no_gpu(args)
-    net = Net(args.model, phase=TRAIN, level=args.level, stages=_stages(args.stage),
-              threads=args.threads)
+    model, placement = args.model, None
+    if args.placement:
+        from purine.caffe.prototxt import read_net
+        from purine.parallel.placement import place
+
+        split = place(read_net(args.model), args.placement, phase=TRAIN, level=args.level,
+                      stages=_stages(args.stage))
+        model, placement = split.net, split.placement
+        log.info("Placement %s: %d layers placed, %d split into towers", args.placement,
+                 len(placement), len(split.towers))
+    net = Net(model, phase=TRAIN, level=args.level, stages=_stages(args.stage),
+              threads=args.threads, placement=placement)
     log.info("Performing Forward")
     net.forward()
     log.info("Initial loss: %g", net.loss)
@@ -171,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "stage", default=None, help="comma-separated NetState stages")
     _flag(p, "threads", type=int, default=1,
           help="spread the ops over this many dispatcher worker threads")
+    _flag(p, "placement", default=None,
+          help="a placement file: where each named layer runs; a layer given several "
+               "locations is split into towers (models/bvlc_alexnet/two_tower.placement)")
     p.set_defaults(run=cmd_time)
 
     p = sub.add_parser("train", help="train a model from a solver prototxt")
