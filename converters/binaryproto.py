@@ -10,12 +10,12 @@ import os
 import sys
 
 import numpy as np
-from google.protobuf import message
 
 from converters import ConvertError, run_main
 from converters.compute_image_mean import mean_blob_bytes
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.caffemodel import atomic_write, blob_to_array, encode_blob
+from purine.caffe.prototxt import read_binary
 from purine.errors import ProtoError
 
 
@@ -23,16 +23,7 @@ def read_binaryproto(path: str | os.PathLike) -> np.ndarray:
     """The float32 array of a binary BlobProto file, shaped by ``shape`` or the legacy
     num/channels/height/width fields."""
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise ConvertError(f"{path}: cannot read: {e.strerror}") from None
-    blob = pb.BlobProto()
-    try:
-        blob.ParseFromString(data)
-    except message.DecodeError as e:
-        raise ConvertError(f"{path}: not a binary BlobProto ({e})") from None
+    blob = read_binary(path, pb.BlobProto())
     if not (blob.data or blob.double_data or blob.HasField("shape") or blob.HasField("num")):
         raise ConvertError(f"{path}: the BlobProto holds no data")
     try:

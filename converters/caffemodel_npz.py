@@ -11,35 +11,17 @@ import sys
 import zipfile
 
 import numpy as np
-from google.protobuf import message
 
 from converters import ConvertError, flag, run_main
 from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import atomic_write, blob_to_array, encode_net
-from purine.errors import ProtoError
+from purine.caffe.caffemodel import (
+    atomic_write,
+    encode_net,
+    load_weights,
+)
 from purine.log import get_logger
 
 _PHASES = {"TRAIN": pb.TRAIN, "TEST": pb.TEST}
-
-
-def read_caffemodel(path: str | os.PathLike) -> pb.NetParameter:
-    """A binary NetParameter, whatever the file's suffix (Caffe's weights are always
-    binary); refuses a file with no layers, which is no caffemodel."""
-    path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise ConvertError(f"{path}: cannot read: {e.strerror}") from None
-    net = pb.NetParameter()
-    try:
-        net.ParseFromString(data)
-    except message.DecodeError as e:
-        raise ConvertError(f"{path}: not a binary .caffemodel (NetParameter): {e}") from None
-    if not net.layer and not net.layers:
-        raise ConvertError(f"{path}: holds no layers; is it a binary .caffemodel (not a text "
-                           "prototxt)?")
-    return net
 
 
 def layer_type(layer: pb.LayerParameter | pb.V1LayerParameter) -> str:
@@ -50,17 +32,8 @@ def layer_type(layer: pb.LayerParameter | pb.V1LayerParameter) -> str:
 
 
 def caffemodel_arrays(path: str | os.PathLike) -> dict[str, list[np.ndarray]]:
-    """The parameter arrays of each layer of a caffemodel that has any, in file order; a
-    layer name given twice keeps the last (as Caffe's CopyTrainedLayersFrom would)."""
-    net = read_caffemodel(path)
-    out: dict[str, list[np.ndarray]] = {}
-    for layer in list(net.layer) + list(net.layers):
-        if layer.blobs:
-            try:
-                out[layer.name] = [blob_to_array(b) for b in layer.blobs]
-            except ProtoError as e:
-                raise ConvertError(f"{os.fspath(path)}: layer '{layer.name}': {e}") from None
-    return out
+    """The parameter arrays of each layer of a caffemodel that has any, in file order."""
+    return load_weights(path)
 
 
 def npz_key(layer: str, index: int) -> str:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from converters import ConvertError, flag, run_main
-from converters.caffemodel_npz import read_caffemodel
 from purine.caffe import caffe_pb2 as pb
+from purine.caffe.caffemodel import read_caffemodel
 
 if TYPE_CHECKING:
     from purine.caffe.layer import LayerBuild

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from converters import flag, run_main
-from converters.caffemodel_npz import layer_type, legacy_shape_match, read_caffemodel
+from converters.caffemodel_npz import layer_type, legacy_shape_match
 from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import blob_to_array
+from purine.caffe.caffemodel import blob_to_array, read_caffemodel
 from purine.errors import ProtoError
 
 _PHASES = {"TRAIN": pb.TRAIN, "TEST": pb.TEST}

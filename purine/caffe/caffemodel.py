@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import read_message
+from purine.caffe.prototxt import read_binary
 from purine.caffe.wire import len_field, varint
 from purine.errors import ProtoError
 
@@ -41,9 +41,19 @@ def array_to_blob(a: np.ndarray) -> pb.BlobProto:
     return blob
 
 
+def read_caffemodel(path: str | os.PathLike) -> pb.NetParameter:
+    """A caffemodel (always binary, whatever its suffix); one with no layers is refused."""
+    net = read_binary(path, pb.NetParameter(), ".caffemodel (NetParameter)")
+    if not net.layer and not net.layers:
+        raise ProtoError(f"{os.fspath(path)}: holds no layers; is it a binary .caffemodel "
+                         "(not a text prototxt)?")
+    return net
+
+
 def load_weights(path: str | os.PathLike) -> dict[str, list[np.ndarray]]:
-    """Parameter arrays by layer name from a caffemodel (current or V1 ``layers`` form)."""
-    net = read_message(path, pb.NetParameter())
+    """Parameter arrays by layer name from a caffemodel (current or V1 ``layers`` form);
+    a layer name given twice keeps the last, as Caffe's CopyTrainedLayersFrom does."""
+    net = read_caffemodel(path)
     out: dict[str, list[np.ndarray]] = {}
     for layer in list(net.layer) + list(net.layers):
         if layer.blobs:

@@ -28,21 +28,31 @@ def parse_text(text: str, msg: M, filename: str = "<string>") -> M:
     return msg
 
 
+def _read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ProtoError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def read_binary(path: str | os.PathLike, msg: M, what: str = "") -> M:
+    """Parse the binary protobuf file ``path`` into ``msg``, whatever its suffix; errors
+    call the file ``what`` (default: the message's name)."""
+    path = os.fspath(path)
+    try:
+        msg.ParseFromString(_read_bytes(path))
+    except message.DecodeError as e:
+        raise ProtoError(f"{path}: not a binary {what or msg.DESCRIPTOR.name} ({e})") from None
+    return msg
+
+
 def read_message(path: str | os.PathLike, msg: M) -> M:
     """Read ``path`` into ``msg``: binary for Caffe's binary suffixes, else text."""
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise ProtoError(f"{path}: cannot read: {e.strerror}") from None
     if path.endswith(BINARY_SUFFIXES):
-        try:
-            msg.ParseFromString(data)
-        except message.DecodeError as e:
-            raise ProtoError(
-                f"{path}: not a binary {msg.DESCRIPTOR.name} ({e})") from None
-        return msg
+        return read_binary(path, msg)
+    data = _read_bytes(path)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

@@ -13,6 +13,7 @@ from google.protobuf.message import DecodeError
 
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.caffemodel import blob_to_array
+from purine.caffe.prototxt import read_binary
 from purine.data import DataError
 from purine.errors import ProtoError
 
@@ -86,16 +87,9 @@ def read_mean(path: str | os.PathLike) -> np.ndarray:
     """A mean file (.binaryproto BlobProto, as compute_image_mean writes) as (C, H, W)."""
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise DataError(f"mean file '{path}': cannot read: {e.strerror}") from None
-    blob = pb.BlobProto()
-    try:
-        blob.ParseFromString(raw)
-        mean = blob_to_array(blob)
-    except (DecodeError, ProtoError) as e:
-        raise DataError(f"mean file '{path}': not a binary BlobProto ({e})") from None
+        mean = blob_to_array(read_binary(path, pb.BlobProto()))
+    except ProtoError as e:
+        raise DataError(f"mean file {e}") from None
     if mean.ndim == 4 and mean.shape[0] == 1:
         mean = mean[0]
     if mean.ndim != 3:
