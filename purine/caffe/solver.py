@@ -300,8 +300,9 @@ class Solver:
             self._iteration()
         finally:
             d.profile = False
-        write_chrome_trace(d.trace, path)
-        self.log.info("Wrote the trace of iteration %d to %s", self.iter - 1, path)
+        if not self.mpi or self.mpi.is_root:  # MPI: rank 0's trace
+            write_chrome_trace(d.trace, path)
+            self.log.info("Wrote the trace of iteration %d to %s", self.iter - 1, path)
         d.trace = []
 
     def step(self, iters: int) -> None:

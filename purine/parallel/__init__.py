@@ -36,11 +36,16 @@ class Replicas:
 
 
 def replicate(net: Net, param: pb.NetParameter, count: int, *, level: int = 0,
-              stages: tuple[str, ...] = (), seed: int = 0) -> Replicas:
+              stages: tuple[str, ...] = (), seed: int = 0, first: int = 0,
+              total: int | None = None) -> Replicas:
     """Compose ``count - 1`` more replicas of ``net`` (replica 0, built with
-    ``replica=(0, count)``) into its graph. Replica r runs at worker thread r; the
-    all-reduce and (by the solver) the update ops run at thread ``count``."""
+    ``replica=(first, total)`` and seed ``seed + first``) into its graph. Replica r runs at
+    worker thread r; the all-reduce and (by the solver) the update ops run at thread
+    ``count``. Across MPI ranks, local replica r is replica ``first + r`` of ``total``
+    (default ``count``): its data, seed and state keys are those of that global replica, so
+    R ranks of N replicas read, draw and snapshot as R*N replicas in one process do."""
     graph, builder = net.graph, net.builder
+    total = count if total is None else total
     out = Replicas(count, server=Location(builder.location.device, builder.location.index,
                                           count, builder.location.host))
     masters = {p.name: p for p in builder.learnable_params}
@@ -48,17 +53,18 @@ def replicate(net: Net, param: pb.NetParameter, count: int, *, level: int = 0,
     for r in range(1, count):
         loc = Location(builder.location.device, builder.location.index, r,
                        builder.location.host)
-        b = NetBuilder(param, TRAIN, level=level, stages=stages, seed=seed + r, location=loc,
-                       replica=(r, count), dtype=builder.dtype)
+        g = first + r
+        b = NetBuilder(param, TRAIN, level=level, stages=stages, seed=seed + g, location=loc,
+                       replica=(g, total), dtype=builder.dtype)
         own_grads = {p.name: b.param_grad(p) for p in b.learnable_params}
-        first = len(graph.ops)
+        start = len(graph.ops)
         mapped = graph.compose(b.graph, f"replica{r}/",
                                bind={name: masters[name] for name in own_grads})
-        out.pass_ops += graph.ops[first:]
-        for name, g in own_grads.items():
-            grads[name].append(mapped[g.name])
+        out.pass_ops += graph.ops[start:]
+        for name, grad in own_grads.items():
+            grads[name].append(mapped[grad.name])
         out.loss_tops += [(mapped[t.name], w) for t, w in b.loss_tops]
-        out.stateful.update({f"replica{r}/{k}": s for k, s in b.stateful.items()})
+        out.stateful.update({f"replica{g}/{k}": s for k, s in b.stateful.items()})
     for name, gs in grads.items():
         out.reduce_ops.append(graph.op(f"all_reduce/{name}", "AllReduceMean", gs, [gs[0]],
                                        kernel(all_reduce_mean), out.server))

