@@ -65,29 +65,52 @@ def load_weights(path: str | os.PathLike) -> dict[str, list[np.ndarray]]:
 
 
 # -- encoding --------------------------------------------------------------------------
-def encode_blob(a: np.ndarray) -> bytes:
-    """BlobProto bytes: ``shape`` (field 7) and packed float ``data`` (field 5)."""
+# Encoders return lists of byte chunks, the arrays' own memory among them, so a 244 MB
+# AlexNet goes to disk without being copied into one bytes object on the way.
+Chunks = list[bytes | memoryview]
+
+
+def _length(chunks: Chunks) -> int:
+    return sum(len(c) for c in chunks)
+
+
+def nested_field(number: int, chunks: Chunks) -> Chunks:
+    """A length-delimited field whose payload is ``chunks``."""
+    return [varint(number << 3 | 2), varint(_length(chunks))] + chunks
+
+
+def blob_chunks(a: np.ndarray) -> Chunks:
+    """BlobProto: ``shape`` (field 7) and packed float ``data`` (field 5)."""
     a = np.asarray(a, dtype="<f4", order="C")
     dims = b"".join(varint(int(d)) for d in a.shape)
     shape = b"".join(len_field(1, dims)) if a.shape else b""
-    parts = len_field(7, shape) + len_field(5, memoryview(a).cast("B"))
-    return b"".join(parts)
+    return len_field(7, shape) + len_field(5, memoryview(a.reshape(-1)).cast("B"))
+
+
+def encode_blob(a: np.ndarray) -> bytes:
+    return b"".join(blob_chunks(a))
+
+
+def net_chunks(name: str, layers: Iterable[pb.LayerParameter],
+               params: Mapping[str, Sequence[np.ndarray]]) -> Chunks:
+    """NetParameter: ``name`` and each layer (field 100) with its parameter blobs."""
+    chunks: Chunks = len_field(1, name.encode()) if name else []
+    for layer in layers:
+        body: Chunks = [layer.SerializeToString()]
+        for a in params.get(layer.name, ()):
+            body += nested_field(7, blob_chunks(a))
+        chunks += nested_field(100, body)
+    return chunks
 
 
 def encode_net(name: str, layers: Iterable[pb.LayerParameter],
                params: Mapping[str, Sequence[np.ndarray]]) -> bytes:
-    parts: list[bytes | memoryview] = []
-    if name:
-        parts += len_field(1, name.encode())
-    for layer in layers:
-        body = [layer.SerializeToString()]
-        for a in params.get(layer.name, ()):
-            body += len_field(7, encode_blob(a))
-        parts += len_field(100, b"".join(body))
-    return b"".join(parts)
+    return b"".join(net_chunks(name, layers, params))
 
 
-def atomic_write(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write(path: str | os.PathLike, data: bytes | Iterable[bytes | memoryview]) -> None:
+    """Write ``data`` (bytes or chunks) to a temporary file beside ``path``, then rename it:
+    a crash at any moment leaves either the old file or the complete new one."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=d)
@@ -96,7 +119,8 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would hide snapshots from other users
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for chunk in [data] if isinstance(data, bytes | bytearray) else data:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -108,4 +132,4 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
 
 def save_net(name: str, layers: Iterable[pb.LayerParameter],
              params: Mapping[str, Sequence[np.ndarray]], path: str | os.PathLike) -> None:
-    atomic_write(path, encode_net(name, layers, params))
+    atomic_write(path, net_chunks(name, layers, params))

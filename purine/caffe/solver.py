@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import atomic_write, blob_to_array, encode_blob
+from purine.caffe.caffemodel import Chunks, atomic_write, blob_chunks, blob_to_array, nested_field
 from purine.caffe.layer import kernel
 from purine.caffe.net import TEST, TRAIN, Net
 from purine.caffe.prototxt import parse_text, read_message, read_net
@@ -423,16 +423,16 @@ class Solver:
         n = len(self.updates[0].history) if self.updates else 0
         return [u.history[k] for k in range(n) for u in self.updates]
 
-    def encode_state(self, model_path: str, private: dict | None = None) -> bytes:
+    def encode_state(self, model_path: str, private: dict | None = None) -> Chunks:
         head = pb.SolverState(iter=self.iter, learned_net=model_path,
                               current_step=self._current_step()).SerializeToString()
         d = self.net.dispatcher
-        parts = [head]
+        parts: Chunks = [head]
         for h in self._history():
-            parts += len_field(3, encode_blob(d.array(h)))
+            parts += nested_field(3, blob_chunks(d.array(h)))
         private = self._private_state() if private is None else private
         parts += len_field(PRIVATE_STATE_FIELD, json.dumps(private).encode())
-        return b"".join(parts)
+        return parts
 
     def _private_state(self) -> dict:
         """What Caffe's SolverState has no field for: the train net's run-time state (how
