@@ -88,7 +88,7 @@ class Solver:
     def __init__(self, source: str | os.PathLike | pb.SolverParameter, *,
                  level: int | None = None, stages: Sequence[str] | None = None,
                  threads: int = 1, log=None, path: str | None = None, replicas: int = 1,
-                 comm=None):
+                 comm=None, replica_locations: list | None = None):
         if path is None:
             path = os.fspath(source) if isinstance(source, str | os.PathLike) else ""
         self.path = path
@@ -121,7 +121,8 @@ class Solver:
             from purine.parallel import replicate
 
             self.replicas = replicate(self.net, train_param, replicas, level=lv,
-                                      stages=tuple(st), seed=seed, first=first, total=total)
+                                      stages=tuple(st), seed=seed, first=first, total=total,
+                                      locations=replica_locations)
         if self.mpi:  # -- MPI: gradient exchange ops, rank 0's initial weights everywhere
             b = self.net.builder
             server = (self.replicas.server if self.replicas else

@@ -1,7 +1,10 @@
 """Data parallelism by graph composition: the replicas of a train net are copies of its
-graph composed into one graph, each at its own location and reading its own batches, with
-the parameters bound to the first replica's; per parameter, an all-reduce op averages the
-replicas' gradients as soon as they all exist, and the solver's update ops follow it."""
+graph composed into one graph, each at its own location and reading its own batches. A
+replica in the first replica's memory space uses its parameter blobs directly; one in
+another memory space (another device) keeps its own copy, refreshed by Copy ops before its
+forward pass, and sends its gradients back by Copy ops. Per parameter, an all-reduce op
+averages the replicas' gradients as soon as they all exist, and the solver's update ops
+follow it."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from purine.caffe import caffe_pb2 as pb
 from purine.caffe.layer import Stateful, kernel
 from purine.caffe.net import TRAIN, Net, NetBuilder
 from purine.graph import Blob, Location, Op
+from purine.ops import tensor
 
 
 def all_reduce_mean(*arrays: Any) -> None:
@@ -37,13 +41,15 @@ class Replicas:
 
 def replicate(net: Net, param: pb.NetParameter, count: int, *, level: int = 0,
               stages: tuple[str, ...] = (), seed: int = 0, first: int = 0,
-              total: int | None = None) -> Replicas:
+              total: int | None = None,
+              locations: list[Location] | None = None) -> Replicas:
     """Compose ``count - 1`` more replicas of ``net`` (replica 0, built with
     ``replica=(first, total)`` and seed ``seed + first``) into its graph. Replica r runs at
     worker thread r; the all-reduce and (by the solver) the update ops run at thread
     ``count``. Across MPI ranks, local replica r is replica ``first + r`` of ``total``
     (default ``count``): its data, seed and state keys are those of that global replica, so
-    R ranks of N replicas read, draw and snapshot as R*N replicas in one process do."""
+    R ranks of N replicas read, draw and snapshot as R*N replicas in one process do.
+    ``locations[r - 1]`` places replica r elsewhere (e.g. Location("gpu", r))."""
     graph, builder = net.graph, net.builder
     total = count if total is None else total
     out = Replicas(count, server=Location(builder.location.device, builder.location.index,
@@ -53,16 +59,31 @@ def replicate(net: Net, param: pb.NetParameter, count: int, *, level: int = 0,
     for r in range(1, count):
         loc = Location(builder.location.device, builder.location.index, r,
                        builder.location.host)
+        if locations:
+            loc = locations[r - 1]
+        shared = loc.memory == builder.location.memory
         g = first + r
         b = NetBuilder(param, TRAIN, level=level, stages=stages, seed=seed + g, location=loc,
                        replica=(g, total), dtype=builder.dtype)
         own_grads = {p.name: b.param_grad(p) for p in b.learnable_params}
         start = len(graph.ops)
         mapped = graph.compose(b.graph, f"replica{r}/",
-                               bind={name: masters[name] for name in own_grads})
-        out.pass_ops += graph.ops[start:]
+                               bind={name: masters[name] for name in own_grads} if shared else {})
+        replica_ops = graph.ops[start:]
+        if not shared:  # broadcast the weights in, bring the gradients home
+            pulls = [graph.op(f"replica{r}/pull/{name}", "Copy", [masters[name]],
+                              [mapped[name]], kernel(tensor.copy), loc) for name in own_grads]
+            out.pass_ops += pulls
+        out.pass_ops += replica_ops
         for name, grad in own_grads.items():
-            grads[name].append(mapped[grad.name])
+            grad = mapped[grad.name]
+            if not shared:
+                home = graph.blob(f"replica{r}/{name}@diff@home", grad.shape, grad.dtype,
+                                  out.server)
+                out.pass_ops.append(graph.op(f"replica{r}/push/{name}", "Copy", [grad],
+                                             [home], kernel(tensor.copy), out.server))
+                grad = home
+            grads[name].append(grad)
         out.loss_tops += [(mapped[t.name], w) for t, w in b.loss_tops]
         out.stateful.update({f"replica{g}/{k}": s for k, s in b.stateful.items()})
     for name, gs in grads.items():

@@ -53,3 +53,21 @@ def test_replicas_equal_one_net_with_the_whole_batch(mnist_db, replicas):
             np.testing.assert_allclose(got, v.data, rtol=1e-5, atol=1e-6 * np.abs(v.data).max(),
                                        err_msg=f"{layer}[{k}]")
     assert np.isfinite(parallel._pass_loss())
+
+
+def test_replicas_in_other_memory_spaces_copy_weights_in_and_gradients_home(mnist_db):
+    """The layout a GPU per replica needs: each replica keeps its own weights, refreshed by
+    Copy ops, and sends its gradients home by Copy ops; the numbers do not change."""
+    from purine.graph import Location
+
+    shared = Solver(lenet_solver(mnist_db, 8), replicas=2)
+    shared.step(10)
+    apart = Solver(lenet_solver(mnist_db, 8), replicas=2,
+                   replica_locations=[Location("cpu", 1)])
+    copies = [op for op in apart._pass_ops() if op.type == "Copy"]
+    assert {op.name.split("/")[1] for op in copies} == {"pull", "push"}
+    assert len(copies) == 2 * len(apart.net.builder.learnable_params)
+    apart.step(10)
+    for layer, views in shared.net.params.items():
+        for a, b in zip(views, apart.net.params[layer]):
+            assert np.array_equal(a.data, b.data), layer
