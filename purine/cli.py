@@ -95,8 +95,16 @@ def _train(args: argparse.Namespace, comm) -> int:
     param.train_state.stage.extend(_stages(args.stage))
     if args.iterations is not None:
         param.max_iter = args.iterations
-    solver = Solver(param, path=args.solver, threads=args.threads, log=log,
-                    replicas=args.replicas, comm=comm)
+    if args.staleness is not None:  # asynchronous: a parameter server and stale replicas
+        if comm is not None:
+            raise PurineError("--async trains in one process; it cannot be combined with MPI")
+        from purine.parallel.async_ps import AsyncSolver
+
+        solver = AsyncSolver(param, path=args.solver, threads=args.threads, log=log,
+                             replicas=args.replicas, staleness=args.staleness)
+    else:
+        solver = Solver(param, path=args.solver, threads=args.threads, log=log,
+                        replicas=args.replicas, comm=comm)
     for w in (args.weights or "").split(","):
         if w:
             log.info("Finetuning from %s", w)
@@ -205,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
           help="data-parallel CPU replicas, each taking batch_size samples per iteration "
                "(gradients are averaged: N replicas train as one net with N x batch_size); "
                "under mpirun, per rank")
+    _flag(p, "async", dest="staleness", type=int, default=None, metavar="S",
+          help="asynchronous parameter-server training (Downpour style): the --replicas "
+               "replicas pull the weights, compute and push their gradients on their own, "
+               "each push one solver iteration; a replica waits while it is more than S "
+               "pushes ahead of the slowest (0: in rounds). Not deterministic")
     p.add_argument("-mpi", "--mpi", action=argparse.BooleanOptionalAction, default=None,
                    help="train one model across the processes of `mpirun -np R` (needs "
                         "mpi4py; the default when an MPI launcher started several): rank k "

@@ -1,0 +1,325 @@
+"""Asynchronous data parallelism, Downpour style: N replicas, each with its own copy of the
+parameters, loop pull -> forward/backward -> push against a parameter server (the solver's
+master parameters, histories and update ops), with a bound S on how far one runs ahead.
+
+Everything is graph ops run by the solver's one dispatcher: replica r's net is composed into
+the train graph under ``replica{r}/`` (not bound to the master parameters) at worker thread
+``r + 1``; pull ops copy master parameters to the replica's, push ops copy its gradients
+into the server's gradient blobs, which the solver's update ops (at thread 0) read. Each
+replica's ops run in its own Python thread (numpy releases the GIL in its kernels), and a
+lock serializes pulls and pushes, so each push is one solver iteration.
+
+Async training is not deterministic: which replica pushes when, and so the weights, depend on
+how the threads interleave.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from purine.caffe import caffe_pb2 as pb
+from purine.caffe.layer import Stateful, kernel
+from purine.caffe.net import TRAIN, NetBuilder
+from purine.caffe.solver import DivergenceError, Solver
+from purine.errors import PurineError
+from purine.graph import Blob, Location, Op
+from purine.ops import solver as so
+from purine.ops import tensor
+
+
+@contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """BLAS single-threaded for a while: N replicas calling a multi-threaded BLAS at once
+    oversubscribe the cores (OpenBLAS's spinning threads made 2 LeNet replicas on 2 cores
+    about 6x slower). threadpoolctl when it is installed, else numpy's OpenBLAS found among
+    the loaded libraries; otherwise nothing changes."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        pass
+    else:
+        with threadpool_limits(1, user_api="blas"):
+            yield
+        return
+    get_set = _openblas_threads()
+    if get_set is None:
+        yield
+        return
+    get, set_ = get_set
+    before = get()
+    set_(1)
+    try:
+        yield
+    finally:
+        set_(before)
+
+
+def _openblas_threads():
+    """OpenBLAS's (get_num_threads, set_num_threads) from the libraries this process has
+    loaded (Linux's /proc/self/maps), under any of the names numpy's builds export."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({ln.split()[-1] for ln in f if "openblas" in ln.lower()})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas", "openblas"):
+            for suffix in ("64_", ""):
+                get = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+                set_ = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+                if get is not None and set_ is not None:
+                    return get, set_
+    return None
+
+
+class Pull(NamedTuple):
+    """One pull: which replica, the solver iteration of the weights it got, and every
+    replica's push count at that moment."""
+
+    replica: int
+    iter: int
+    pushes: tuple[int, ...]
+
+
+@dataclass
+class Worker:
+    """Replica ``index``'s ops: pull, its forward/backward pass (with local accumulation
+    when iter_size > 1), push."""
+
+    index: int
+    location: Location
+    pull_ops: list[Op] = field(default_factory=list)
+    pass_ops: list[Op] = field(default_factory=list)
+    zero_ops: list[Op] = field(default_factory=list)
+    accumulate_ops: list[Op] = field(default_factory=list)
+    push_ops: list[Op] = field(default_factory=list)
+    loss_tops: list[tuple[Blob, float]] = field(default_factory=list)
+    outputs: dict[str, Blob] = field(default_factory=dict)  # train net output name -> blob
+    stateful: dict[str, Stateful] = field(default_factory=dict)
+
+
+@dataclass
+class _Run:
+    """One ``step(iters)``: its push budget and how it ends."""
+
+    iters: int
+    claimed: int = 0
+    failure: BaseException | None = None
+    stopped: bool = False
+    t_start: float = field(default_factory=time.perf_counter)
+    it_start: int = 0
+
+    def over(self) -> bool:
+        return self.failure is not None or self.stopped or self.claimed >= self.iters
+
+
+class AsyncSolver(Solver):
+    """``AsyncSolver(solver_prototxt, replicas=N, staleness=S)``: a Solver whose ``step``
+    trains N asynchronous replicas against its net's parameters (the server). A replica may
+    not pull while it has pushed more than S times more than the slowest replica, so S=0
+    runs the replicas in rounds of one push each. Learning rate, display, test intervals,
+    snapshots and stop/snapshot requests follow the solver parameter per push, as
+    ``Solver.step`` does per iteration. ``pull_log`` records every pull."""
+
+    def __init__(self, source: str | os.PathLike | pb.SolverParameter, *, replicas: int = 2,
+                 staleness: int = 0, level: int | None = None,
+                 stages: Sequence[str] | None = None, threads: int = 1, log=None,
+                 path: str | None = None):
+        if replicas < 1:
+            raise PurineError(f"async training needs at least 1 replica, got {replicas}")
+        if staleness < 0:
+            raise PurineError(f"staleness must be 0 or more, got {staleness}")
+        super().__init__(source, level=level, stages=stages, threads=threads, log=log,
+                         path=path)
+        self.staleness = staleness
+        p = self.param
+        lv = p.train_state.level if level is None else level
+        st = tuple(p.train_state.stage) if stages is None else tuple(stages)
+        self.workers = [self._add_replica(r, replicas, lv, st) for r in range(replicas)]
+        self.pushes = [0] * replicas
+        self.pull_log: list[Pull] = []
+        self._lock = threading.Condition()  # the server: pulls, pushes, tests, snapshots
+        self._last: dict[int, dict[str, np.ndarray]] = {}  # a replica's last outputs
+        self.log.info("Asynchronous training: %d replicas, staleness %d", replicas, staleness)
+
+    # -- building -------------------------------------------------------------------------
+    def _add_replica(self, r: int, count: int, level: int, stages: tuple[str, ...]) -> Worker:
+        g, master = self.net.graph, self.net.builder
+        m = master.location
+        loc = Location(m.device, m.index, r + 1, m.host)
+        b = NetBuilder(self.net.model, TRAIN, level=level, stages=stages, seed=self.seed + r,
+                       location=loc, replica=(r, count), dtype=master.dtype)
+        w = Worker(r, loc)
+        prefix = f"replica{r}/"
+        own_grads = {p.name: b.param_grad(p) for p in b.learnable_params}
+        start = len(g.ops)
+        mapped = g.compose(b.graph, prefix)  # no bind: the replica owns its parameters
+        w.pass_ops = g.ops[start:]
+        w.loss_tops = [(mapped[t.name], wt) for t, wt in b.loss_tops]
+        w.outputs = {n: mapped[b.data[n].name] for n in self.net.outputs}
+        w.stateful = dict(b.stateful)
+        for p in master.learnable_params:
+            w.pull_ops.append(g.op(f"{prefix}pull/{p.name}", "Copy", [p], [mapped[p.name]],
+                                   kernel(tensor.copy), loc))
+        # The solver's update ops read a gradient per active parameter: the master net's
+        # param_grad, or its accumulator when iter_size > 1. The master net's own
+        # backward never runs in async mode, so within any run the push is its one writer.
+        server_grad = {u.grad: u.grad for u in self.updates}
+        server_grad.update({o.inputs[0]: o.outputs[0] for o in self.accumulate_ops})
+        for u in self.updates:
+            if u.param.meta["lr_mult"] == 0:
+                continue
+            grad = mapped[own_grads[u.param.name].name]
+            if self.param.iter_size > 1:
+                acc = g.blob(f"{prefix}{u.param.name}@accumulated", grad.shape, grad.dtype,
+                             loc)
+                w.zero_ops.append(g.op(f"{prefix}{u.param.name}/zero", "Fill", [], [acc],
+                                       kernel(tensor.fill, value=0.0), loc))
+                w.accumulate_ops.append(g.op(f"{prefix}{u.param.name}/accumulate",
+                                             "Accumulate", [grad, acc], [acc],
+                                             kernel(tensor.accumulate), loc))
+                grad = acc
+            target = server_grad[u.grad]
+            w.push_ops.append(g.op(f"{prefix}push/{u.param.name}", "Copy", [grad], [target],
+                                   kernel(tensor.copy), target.location))
+        return w
+
+    # -- one replica's steps --------------------------------------------------------------
+    def _pull(self, w: Worker) -> None:
+        """Copy the master weights into replica ``w`` (the caller holds the server lock)."""
+        self.pull_log.append(Pull(w.index, self.iter, tuple(self.pushes)))
+        self.net.dispatcher.run(w.pull_ops)
+
+    def _compute(self, w: Worker) -> float:
+        """iter_size forward/backward passes of replica ``w``; returns their mean loss."""
+        d, n = self.net.dispatcher, self.param.iter_size
+        loss = 0.0
+        if n > 1:
+            d.run(w.zero_ops)
+        for _ in range(n):
+            d.run(w.pass_ops + w.accumulate_ops)
+            loss += sum(wt * float(d.array(t).sum()) for t, wt in w.loss_tops)
+        self._last[w.index] = {k: np.array(d.array(b)) for k, b in w.outputs.items()}
+        return loss / n
+
+    def _push(self, w: Worker) -> None:
+        """Replica ``w``'s gradients into the server, then one solver update (the caller
+        holds the server lock)."""
+        self.net.dispatcher.run(w.push_ops + self.update_ops)
+        self.pushes[w.index] += 1
+
+    def _iteration(self) -> float:
+        """One push by replica 0 in the calling thread (what ``trace_iteration`` records)."""
+        w = self.workers[0]
+        with self._lock:
+            self._pull(w)
+        loss = self._compute(w)
+        with self._lock:
+            self._push(w)
+            self._lock.notify_all()
+        return loss
+
+    # -- training -------------------------------------------------------------------------
+    def step(self, iters: int) -> None:
+        """``iters`` pushes in all, by the replicas in their threads; the first error in a
+        replica stops the others and is raised here."""
+        if iters <= 0:
+            return
+        run = _Run(iters, it_start=self.iter)
+        threads = [threading.Thread(target=self._replica_loop, args=(w, run), daemon=True,
+                                    name=f"purine-async-replica{w.index}")
+                   for w in self.workers]
+        with one_blas_thread() if len(threads) > 1 else nullcontext():
+            for t in threads:
+                t.start()
+            try:
+                for t in threads:
+                    t.join()
+            except BaseException as e:  # e.g. KeyboardInterrupt: stop the replicas first
+                with self._lock:
+                    run.failure = run.failure or e
+                    self._lock.notify_all()
+                for t in threads:
+                    t.join()
+        if run.failure is not None:
+            raise run.failure
+        if run.stopped:
+            self.stopped_early = True
+
+    def _replica_loop(self, w: Worker, run: _Run) -> None:
+        try:
+            while True:
+                with self._lock:
+                    self._lock.wait_for(lambda: run.over() or self._ahead(w) <= self.staleness)
+                    if run.over():
+                        return
+                    run.claimed += 1
+                    self._pull(w)
+                loss = self._compute(w)
+                with self._lock:
+                    if run.failure is not None or run.stopped:
+                        return  # training ended while this replica computed
+                    try:
+                        self._server_iteration(w, loss, run)
+                    finally:
+                        self._lock.notify_all()
+        except BaseException as e:
+            with self._lock:
+                run.failure = run.failure or e
+                self._lock.notify_all()
+
+    def _ahead(self, w: Worker) -> int:
+        return self.pushes[w.index] - min(self.pushes)
+
+    def _server_iteration(self, w: Worker, loss: float, run: _Run) -> None:
+        """A push with what ``Solver.step`` does around an iteration: test first, then the
+        update, the loss check and display, snapshots and requests."""
+        p, log = self.param, self.log
+        it = self.iter
+        if p.test_interval and it % p.test_interval == 0 and (it > 0 or p.test_initialization):
+            self.test_all()
+        self._push(w)
+        if not math.isfinite(loss):
+            raise DivergenceError(f"iteration {it} (replica {w.index}): the loss is {loss}; "
+                                  "training stopped (the last snapshot is intact)")
+        self.smoothed.append(loss)
+        if p.display and it % p.display == 0:
+            lapse = time.perf_counter() - run.t_start
+            per_s = (it + 1 - run.it_start) / lapse if lapse > 0 else 0.0
+            log.info("Iteration %d (%g iter/s, %.3fs/%d iters), loss = %g", it, per_s, lapse,
+                     p.display, sum(self.smoothed) / len(self.smoothed))
+            run.t_start, run.it_start = time.perf_counter(), it + 1
+            self._log_outputs(self.net, "Train", self._last[w.index])
+            log.info("Iteration %d, lr = %g", it, so.rate(it=it, **self._lr_params()))
+        if p.snapshot and self.iter % p.snapshot == 0:
+            self.snapshot()
+        action = self.requested()
+        if action == "snapshot":
+            self.snapshot()
+        elif action == "stop":
+            run.stopped = True
+
+    # -- state ----------------------------------------------------------------------------
+    def _stateful(self) -> dict[str, Any]:
+        """The replicas' data cursors and random streams, keyed as in synchronous mode
+        (replica 0 bare, replica r ``replica{r}/...``); the master net never reads data
+        while training, so its own are left out."""
+        objects: dict[str, Any] = {}
+        for w in self.workers:
+            prefix = f"replica{w.index}/" if w.index else ""
+            objects.update({prefix + k: s for k, s in w.stateful.items()})
+        return objects
