@@ -3,9 +3,11 @@ once over an array module ``xp`` and get it from their arrays."""
 
 from __future__ import annotations
 
+import ctypes
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -94,3 +96,52 @@ def host_parallel(fn: Callable[[slice], None], n: int, xp: ModuleType = np,
         _HOST_POOL = ThreadPoolExecutor(HOST_WORKERS, thread_name_prefix="purine-host")
     for f in [_HOST_POOL.submit(fn, s) for s in slices]:
         f.result()
+
+
+@contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """BLAS single-threaded for a while: N replicas calling a multi-threaded BLAS at once
+    oversubscribe the cores (OpenBLAS's spinning threads made 2 LeNet replicas on 2 cores
+    about 6x slower). threadpoolctl when it is installed, else numpy's OpenBLAS found among
+    the loaded libraries; otherwise nothing changes."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        pass
+    else:
+        with threadpool_limits(1, user_api="blas"):
+            yield
+        return
+    get_set = _openblas_threads()
+    if get_set is None:
+        yield
+        return
+    get, set_ = get_set
+    before = get()
+    set_(1)
+    try:
+        yield
+    finally:
+        set_(before)
+
+
+def _openblas_threads():
+    """OpenBLAS's (get_num_threads, set_num_threads) from the libraries this process has
+    loaded (Linux's /proc/self/maps), under any of the names numpy's builds export."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({ln.split()[-1] for ln in f if "openblas" in ln.lower()})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for prefix in ("scipy_openblas", "openblas"):
+            for suffix in ("64_", ""):
+                get = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+                set_ = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+                if get is not None and set_ is not None:
+                    return get, set_
+    return None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from purine.backend import one_blas_thread
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.caffemodel import Chunks, atomic_write, blob_chunks, blob_to_array, nested_field
 from purine.caffe.layer import kernel
@@ -307,6 +308,13 @@ class Solver:
         d.trace = []
 
     def step(self, iters: int) -> None:
+        if self.replicas:  # replicas on concurrent workers: one BLAS thread each
+            with one_blas_thread():
+                self._step(iters)
+        else:
+            self._step(iters)
+
+    def _step(self, iters: int) -> None:
         p, log = self.param, self.log
         stop = self.iter + iters
         t_start, it_start = time.perf_counter(), self.iter

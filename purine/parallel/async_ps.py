@@ -15,18 +15,18 @@ how the threads interleave.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from purine.backend import one_blas_thread
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.layer import Stateful, kernel
 from purine.caffe.net import TRAIN, NetBuilder
@@ -35,55 +35,6 @@ from purine.errors import PurineError
 from purine.graph import Blob, Location, Op
 from purine.ops import solver as so
 from purine.ops import tensor
-
-
-@contextmanager
-def one_blas_thread() -> Iterator[None]:
-    """BLAS single-threaded for a while: N replicas calling a multi-threaded BLAS at once
-    oversubscribe the cores (OpenBLAS's spinning threads made 2 LeNet replicas on 2 cores
-    about 6x slower). threadpoolctl when it is installed, else numpy's OpenBLAS found among
-    the loaded libraries; otherwise nothing changes."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        pass
-    else:
-        with threadpool_limits(1, user_api="blas"):
-            yield
-        return
-    get_set = _openblas_threads()
-    if get_set is None:
-        yield
-        return
-    get, set_ = get_set
-    before = get()
-    set_(1)
-    try:
-        yield
-    finally:
-        set_(before)
-
-
-def _openblas_threads():
-    """OpenBLAS's (get_num_threads, set_num_threads) from the libraries this process has
-    loaded (Linux's /proc/self/maps), under any of the names numpy's builds export."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = sorted({ln.split()[-1] for ln in f if "openblas" in ln.lower()})
-    except OSError:
-        return None
-    for path in paths:
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for prefix in ("scipy_openblas", "openblas"):
-            for suffix in ("64_", ""):
-                get = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
-                set_ = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
-                if get is not None and set_ is not None:
-                    return get, set_
-    return None
 
 
 class Pull(NamedTuple):
