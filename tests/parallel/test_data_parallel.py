@@ -71,3 +71,45 @@ def test_replicas_in_other_memory_spaces_copy_weights_in_and_gradients_home(mnis
     for layer, views in shared.net.params.items():
         for a, b in zip(views, apart.net.params[layer]):
             assert np.array_equal(a.data, b.data), layer
+
+
+@pytest.fixture(scope="module")
+def cifar_db(tmp_path_factory):
+    from converters.convert_imageset import write_images
+
+    rng = np.random.default_rng(1)
+    path = tmp_path_factory.mktemp("cifar") / "train_lmdb"
+    records = ((f"{i:08d}", rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), i % 10)
+               for i in range(320))
+    write_images(path, records, total=320)
+    return str(path)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_cifar10_quick_replicas_equal_one_net_with_the_whole_batch(cifar_db, replicas):
+    def cifar_solver(batch: int) -> pb.SolverParameter:
+        net = read_net(model_file("cifar10_quick/cifar10_quick_train_test.prototxt"))
+        for layer in net.layer:
+            if layer.type == "Data":
+                layer.data_param.source = cifar_db
+                layer.data_param.batch_size = batch
+                layer.transform_param.ClearField("mean_file")
+                layer.transform_param.scale = 1 / 256
+        s = read_solver(model_file("cifar10_quick/cifar10_quick_solver.prototxt"))
+        s.ClearField("net")
+        s.net_param.CopyFrom(net)
+        del s.test_iter[:]
+        s.test_interval = s.display = s.snapshot = 0
+        s.max_iter, s.random_seed = 10, 3
+        return s
+
+    b = 4
+    single = Solver(cifar_solver(b * replicas))
+    single.step(10)
+    parallel = Solver(cifar_solver(b), replicas=replicas)
+    parallel.step(10)
+    for layer, views in single.net.params.items():
+        for k, v in enumerate(views):
+            np.testing.assert_allclose(parallel.net.params[layer][k].data, v.data, rtol=1e-5,
+                                       atol=1e-6 * np.abs(v.data).max(),
+                                       err_msg=f"{layer}[{k}]")
