@@ -57,6 +57,11 @@ def read_solver(source: str | os.PathLike | pb.SolverParameter) -> pb.SolverPara
     if param.type not in so.SOLVERS:
         raise ProtoError(f"solver: unknown type '{param.type}'; expected one of "
                          + ", ".join(so.SOLVERS))
+    if param.type in ("AdaGrad", "RMSProp") and param.momentum != 0:
+        raise ProtoError(f"solver: momentum cannot be used with {param.type} (Caffe refuses "
+                         f"it too); remove momentum: {param.momentum:g}")
+    if param.type == "RMSProp" and not 0 <= param.rms_decay < 1:
+        raise ProtoError(f"solver: rms_decay must be in [0, 1), got {param.rms_decay:g}")
     return param
 
 
