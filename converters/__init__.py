@@ -52,7 +52,7 @@ def run_main(prog: str, add_arguments: Callable[[argparse.ArgumentParser], None]
         return e.code if isinstance(e.code, int) else 2
     try:
         return args.run(args)
-    except PurineError as e:
+    except (PurineError, OSError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

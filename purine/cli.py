@@ -76,7 +76,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, comm) -> int:
-    from purine.caffe.solver import SignalHandler, Solver, read_solver
+    from purine.caffe.solver import SignalHandler, Solver, read_solver, snapshot_seed
 
     log = get_logger()
     _no_gpu(args)
@@ -87,14 +87,22 @@ def _train(args: argparse.Namespace, comm) -> int:
         raise PurineError("give --snapshot to resume training or --weights to fine-tune, "
                           "not both")
     param = read_solver(args.solver)
-    if param.solver_mode == param.GPU:
+    if param.HasField("solver_mode") and param.solver_mode == param.GPU:
         log.warning("solver_mode is GPU but the GPU backend is not available yet; "
                     "training on the CPU")
     if args.level is not None:
         param.train_state.level = args.level
     param.train_state.stage.extend(_stages(args.stage))
     if args.iterations is not None:
+        if args.iterations < 0:
+            raise PurineError(f"--iterations must be 0 or more, got {args.iterations}")
         param.max_iter = args.iterations
+    if args.replicas < 1:
+        raise PurineError(f"--replicas must be 1 or more, got {args.replicas}")
+    if args.snapshot and param.random_seed < 0:  # resume with the run's own random streams
+        seed = snapshot_seed(args.snapshot)
+        if seed is not None:
+            param.random_seed = seed
     if args.staleness is not None:  # asynchronous: a parameter server and stale replicas
         if comm is not None:
             raise PurineError("--async trains in one process; it cannot be combined with MPI")
@@ -109,11 +117,13 @@ def _train(args: argparse.Namespace, comm) -> int:
         if w:
             log.info("Finetuning from %s", w)
             solver.net.copy_from(w)
-    if args.trace:
+    if args.trace and args.staleness is not None:  # async: trace one push up front
         if args.snapshot:
             solver.restore(args.snapshot)
             args.snapshot = None
         solver.trace_iteration(args.trace)
+    elif args.trace:
+        solver.trace_path = args.trace  # the first iteration the solve runs
     with SignalHandler(args.sigint_effect, args.sighup_effect) as signals:
         solver.requested = signals
         solver.solve(resume=args.snapshot)
@@ -286,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except PurineError as e:
+    except (PurineError, OSError) as e:
         print(f"purine-caffe {args.command}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -223,3 +223,21 @@ def test_killing_during_snapshots_leaves_only_complete_files(tmp_path):
         st = pb.SolverState()
         st.ParseFromString(f.read_bytes())
         assert len(st.history) == 4 and os.path.exists(st.learned_net)
+
+
+def test_resume_is_bit_identical_without_a_random_seed(tmp_path):
+    solver = write_solver(tmp_path, random_seed=-1, test_interval=0)
+    assert cli("train", "--solver", solver).returncode == 0
+    straight = (tmp_path / "tiny_iter_6.caffemodel").read_bytes()
+    r = cli("train", "--solver", solver, "--snapshot", str(tmp_path / "tiny_iter_3.solverstate"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "tiny_iter_6.caffemodel").read_bytes() == straight
+
+
+def test_trace_keeps_the_first_iterations_test_and_display(tmp_path):
+    solver = write_solver(tmp_path)
+    r = cli("train", "--solver", solver, "--trace", str(tmp_path / "t.json"))
+    assert r.returncode == 0, r.stderr
+    assert "Iteration 0, Testing net (#0)" in r.stderr
+    assert re.search(r"Iteration 0 \(.*\), loss = ", r.stderr)
+    assert (tmp_path / "t.json").exists()

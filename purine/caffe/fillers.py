@@ -33,6 +33,12 @@ def fill(p: pb.FillerParameter, shape: tuple[int, ...], rng: np.random.Generator
          owner: str = "") -> np.ndarray:
     """A float32 array of ``shape`` filled as Caffe's filler ``p`` fills it."""
     kind = p.type
+    bad = ((kind == "uniform" and not (math.isfinite(p.min) and math.isfinite(p.max)
+                                       and p.min <= p.max))
+           or (kind == "gaussian" and not (math.isfinite(p.std) and p.std >= 0)))
+    if bad:
+        raise PurineError(f"{owner}: {kind} filler with min {p.min:g}, max {p.max:g}, "
+                          f"std {p.std:g}: expected finite values, min <= max, std >= 0")
     if kind == "constant":
         out = np.full(shape, p.value, dtype=np.float64)
     elif kind == "uniform":

@@ -93,20 +93,29 @@ class NetBuilder:
         if spec.name and spec.name in self._shared:
             owner, ok = self._shared[spec.name]
             b = owner.params[ok]
-            permissive = spec.share_mode == pb.ParamSpec.PERMISSIVE
-            same = (int(np.prod(b.shape)) == int(np.prod(shape))) if permissive else (
-                b.shape == shape)
-            if not same:
-                raise layer.error(f"shares parameter '{spec.name}' of layer '{owner.name}' but "
-                                  f"needs shape {shape}, the owner has {b.shape}")
-            if spec.HasField("lr_mult") and spec.lr_mult != b.meta["lr_mult"]:
-                raise layer.error(f"shared parameter '{spec.name}' has lr_mult {spec.lr_mult} "
-                                  f"here and {b.meta['lr_mult']} in layer '{owner.name}'")
+            if b.shape != shape:
+                permissive = spec.share_mode == pb.ParamSpec.PERMISSIVE
+                raise layer.error(
+                    f"shares parameter '{spec.name}' of layer '{owner.name}' but needs shape "
+                    f"{shape}, the owner has {b.shape}" + (
+                        " (PERMISSIVE sharing of equal counts in other shapes is not "
+                        "supported)" if permissive and b.count == int(np.prod(shape)) else ""))
+            # As Caffe: a multiplier set on either side is the parameter's; both must agree.
+            for field_ in ("lr_mult", "decay_mult"):
+                if spec.HasField(field_):
+                    mine = getattr(spec, field_)
+                    if b.meta[field_ + "_set"] and b.meta[field_] != mine:
+                        raise layer.error(f"shared parameter '{spec.name}' has {field_} "
+                                          f"{mine:g} here and {b.meta[field_]:g} in layer "
+                                          f"'{owner.name}'")
+                    b.meta[field_], b.meta[field_ + "_set"] = mine, True
             self._param_uses[b].append((layer, k))
             return b
         b = self.graph.blob(f"{layer.name}[{k}]", shape, self.dtype, layer.location,
                             lr_mult=mult, decay_mult=spec.decay_mult, layer=layer.name,
-                            index=k, share_name=spec.name)
+                            index=k, share_name=spec.name,
+                            lr_mult_set=spec.HasField("lr_mult") or lr_mult is not None,
+                            decay_mult_set=spec.HasField("decay_mult"))
         if spec.name:
             self._shared[spec.name] = (layer, k)
         self._param_uses[b] = [(layer, k)]
@@ -138,7 +147,12 @@ class NetBuilder:
     # -- building ----------------------------------------------------------------------
     def _build(self) -> None:
         backwards = []
+        names: set[str] = set()
         for i, lp in enumerate(self.param.layer):
+            if lp.name in names:
+                raise LayerError(lp.name, lp.type, "a layer name used twice; every layer "
+                                 "needs its own name (parameters are named after it)")
+            names.add(lp.name)
             builder = BUILDERS.get(lp.type)
             if builder is None:
                 raise LayerError(lp.name, lp.type, "unknown layer type; known types: "
@@ -193,9 +207,9 @@ class NetBuilder:
             if lp.propagate_down and len(lp.propagate_down) != len(lp.bottom):
                 raise L.error(f"propagate_down has {len(lp.propagate_down)} values for "
                               f"{len(lp.bottom)} bottoms")
-            L.bottom_need = [blob_need.get(b, False) and (not lp.propagate_down
-                                                         or lp.propagate_down[j])
-                             for j, b in enumerate(lp.bottom)]
+            # An explicit propagate_down decides, forcing a gradient when true (Caffe).
+            L.bottom_need = [lp.propagate_down[j] if lp.propagate_down
+                             else blob_need.get(b, False) for j, b in enumerate(lp.bottom)]
             L.param_need = [b.meta["lr_mult"] != 0 for b in L.params]
             need = any(L.bottom_need) or any(L.param_need)
             for t in lp.top:
@@ -305,6 +319,7 @@ class Net:
         self._dtype, self._replica, self._placement = dtype, replica, placement
         self._input_shapes: dict[str, tuple[int, ...]] = {}
         self._shared_with: Net | None = None
+        self.solver_owned = False
         self._build()
         if weights is not None:
             self.copy_from(weights)
@@ -372,13 +387,16 @@ class Net:
     def backward(self, diffs: Sequence[str] | None = None, start: str | None = None,
                  end: str | None = None, **top_diffs: np.ndarray) -> dict[str, np.ndarray]:
         """Run the backward ops; returns the input blobs' diffs (and ``diffs``) by name."""
+        given = set()
         for name, value in top_diffs.items():
             self.blobs[name].diff[...] = value
-        if start is None and end is None:
-            ops = self._backward_ops
-        else:
+            given.add(self.builder.diff(name))
+        # The loss tops' diffs start as their loss weights, unless the caller gave them.
+        ops = [op for op in self.builder.seed_ops if op.outputs[0] not in given]
+        layers = self.builder.layers
+        if start is not None or end is not None:
             layers = self._layer_range(end, start)
-            ops = [op for L in reversed(layers) for op in L.backward_ops]
+        ops += [op for L in reversed(layers) for op in L.backward_ops]
         self.dispatcher.run(ops)
         names = list(self.inputs) + list(diffs or [])
         return {n: self.blobs[n].diff for n in names}
@@ -391,6 +409,9 @@ class Net:
 
     def reshape(self) -> None:
         """Rebuild with the shapes given to ``blobs[name].reshape``, keeping parameters."""
+        if self.solver_owned:
+            raise PurineError(f"net '{self.model.name}' belongs to a solver, whose update ops "
+                              "use its blobs: reshape a net of your own instead")
         params = {p.name: self.dispatcher.array(p).copy() for ps in self.builder.layers
                   for p in ps.params}
         states = {k: obj.state() for k, obj in self.builder.stateful.items()}

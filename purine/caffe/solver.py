@@ -57,12 +57,31 @@ def read_solver(source: str | os.PathLike | pb.SolverParameter) -> pb.SolverPara
     if param.type not in so.SOLVERS:
         raise ProtoError(f"solver: unknown type '{param.type}'; expected one of "
                          + ", ".join(so.SOLVERS))
+    if param.iter_size < 1:
+        raise ProtoError(f"solver: iter_size must be at least 1, got {param.iter_size}")
     if param.type in ("AdaGrad", "RMSProp") and param.momentum != 0:
         raise ProtoError(f"solver: momentum cannot be used with {param.type} (Caffe refuses "
                          f"it too); remove momentum: {param.momentum:g}")
     if param.type == "RMSProp" and not 0 <= param.rms_decay < 1:
         raise ProtoError(f"solver: rms_decay must be in [0, 1), got {param.rms_decay:g}")
     return param
+
+
+def snapshot_seed(path: str | os.PathLike) -> int | None:
+    """The random seed a .solverstate of ours was trained with (None for Caffe's), so a
+    run with ``random_seed`` unset can resume with the same random streams."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None  # restore() reports the file
+    for payload in length_fields(data, PRIVATE_STATE_FIELD):
+        try:
+            seed = json.loads(payload).get("seed")
+        except (ValueError, AttributeError):
+            return None
+        return int(seed) if seed is not None else None
+    return None
 
 
 def _resolve(path: str, base: str) -> str:
@@ -122,6 +141,12 @@ class Solver:
         # -- end MPI
         self.net = Net(train_param, phase=TRAIN, level=lv, stages=st, seed=seed + first,
                        threads=threads, replica=(first, total))
+        self.net.solver_owned = True  # its blobs feed the update ops: no reshape
+        folder = os.path.dirname(self._prefix())
+        if (p.snapshot or p.snapshot_after_train) and folder and not os.path.isdir(folder):
+            raise ProtoError(f"solver {self.path}: snapshot_prefix '{p.snapshot_prefix}' "
+                             f"points into '{folder}', which does not exist")
+        self.trace_path: str | None = None  # write a Chrome trace of the next iteration
         self.replicas = None
         if replicas > 1:  # data parallelism: the other replicas join the net's graph
             from purine.parallel import replicate
@@ -297,20 +322,22 @@ class Solver:
         d.run(self.update_ops)
         return loss / n
 
-    def trace_iteration(self, path: str | os.PathLike) -> None:
-        """Run one iteration with the dispatcher's profiler on and write its Chrome trace."""
+    def trace_iteration(self, path: str | os.PathLike) -> float:
+        """Run one iteration with the dispatcher's profiler on and write its Chrome trace;
+        returns the iteration's loss."""
         from purine.runtime.trace import write_chrome_trace
 
         d = self.net.dispatcher
         d.profile, d.trace = True, []
         try:
-            self._iteration()
+            loss = self._iteration()
         finally:
             d.profile = False
         if not self.mpi or self.mpi.is_root:  # MPI: rank 0's trace
             write_chrome_trace(d.trace, path)
             self.log.info("Wrote the trace of iteration %d to %s", self.iter - 1, path)
         d.trace = []
+        return loss
 
     def step(self, iters: int) -> None:
         if self.replicas:  # replicas on concurrent workers: one BLAS thread each
@@ -328,11 +355,15 @@ class Solver:
                     self.iter > 0 or p.test_initialization):
                 self.test_all()
             display = p.display and self.iter % p.display == 0
-            loss = self._iteration()
+            if self.trace_path:
+                loss = self.trace_iteration(self.trace_path)
+                self.trace_path = None
+            else:
+                loss = self._iteration()
             it = self.iter - 1  # the update op advanced the counter
             if not math.isfinite(loss):
                 raise DivergenceError(f"iteration {it}: the loss is {loss}; training stopped "
-                                      "(the last snapshot is intact)")
+                                      "(snapshots already written are intact)")
             self.smoothed.append(loss)
             if display:
                 lapse = time.perf_counter() - t_start
@@ -451,7 +482,8 @@ class Solver:
     def _private_state(self) -> dict:
         """What Caffe's SolverState has no field for: the train net's run-time state (how
         far each random stream and data cursor has gone), by layer."""
-        return {"stateful": {k: s.state() for k, s in self._stateful().items()}}
+        return {"seed": self.seed,
+                "stateful": {k: s.state() for k, s in self._stateful().items()}}
 
     def _stateful(self) -> dict:
         """By global replica: replica 0's keys are bare, replica g's ``replica{g}/...``."""
@@ -460,6 +492,8 @@ class Solver:
         objects = {prefix + k: s for k, s in self.net.builder.stateful.items()}
         if self.replicas:
             objects.update(self.replicas.stateful)
+        for i, net in enumerate(self.test_nets):  # a test net's data cursor goes on too
+            objects.update({f"test{i}/{k}": s for k, s in net.builder.stateful.items()})
         return objects
 
     def _restore_private(self, state: dict) -> None:

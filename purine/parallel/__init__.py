@@ -66,14 +66,17 @@ def replicate(net: Net, param: pb.NetParameter, count: int, *, level: int = 0,
         b = NetBuilder(param, TRAIN, level=level, stages=stages, seed=seed + g, location=loc,
                        replica=(g, total), dtype=builder.dtype)
         own_grads = {p.name: b.param_grad(p) for p in b.learnable_params}
+        # Parameters the forward pass writes (BatchNorm's statistics) stay each replica's
+        # own, as on Caffe's GPUs: the first replica's are the ones kept.
+        bound = {p.name for p in b.learnable_params if shared and not b.graph.writers(p)}
         start = len(graph.ops)
         mapped = graph.compose(b.graph, f"replica{r}/",
-                               bind={name: masters[name] for name in own_grads} if shared else {})
+                               bind={name: masters[name] for name in bound})
         replica_ops = graph.ops[start:]
-        if not shared:  # broadcast the weights in, bring the gradients home
-            pulls = [graph.op(f"replica{r}/pull/{name}", "Copy", [masters[name]],
-                              [mapped[name]], kernel(tensor.copy), loc) for name in own_grads]
-            out.pass_ops += pulls
+        # Weights not bound are broadcast in; gradients from another memory come home.
+        out.pass_ops += [graph.op(f"replica{r}/pull/{name}", "Copy", [masters[name]],
+                                  [mapped[name]], kernel(tensor.copy), loc)
+                         for name in own_grads if name not in bound]
         out.pass_ops += replica_ops
         for name, grad in own_grads.items():
             grad = mapped[grad.name]

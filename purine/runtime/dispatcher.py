@@ -137,6 +137,8 @@ class Dispatcher:
             # One worker: program order is already an order in which every op is ready.
             self.run_sequential(plan.ops)
             return
+        for o in plan.ops:  # storage is allocated here, never by two workers at once
+            self._args(o)
         done: queue.SimpleQueue = queue.SimpleQueue()
         remaining = dict(plan.count)
         in_flight = 0

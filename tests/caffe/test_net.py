@@ -202,3 +202,38 @@ def test_each_parameter_gets_its_own_random_stream():
     assert not np.allclose(w[0], b)  # same filler, same layer: different numbers
     again = Net(net_text(f'layer {{ name: "ip" type: "InnerProduct" bottom: "x" top: "y" {IP.format(n=4)} }}'))
     assert np.array_equal(again.params["ip"][0].data, w)
+
+
+def test_propagate_down_true_forces_a_gradient():
+    net = Net(net_text(f'layer {{ name: "ip" type: "InnerProduct" bottom: "x" top: "y" '
+                       f'propagate_down: true loss_weight: 1 {IP.format(n=2)} }}'),
+              phase=TRAIN, dtype="float64")
+    net.forward(x=np.ones((3, 4)))
+    grads = net.backward()
+    assert np.allclose(grads["x"], np.ones((3, 2)) @ net.params["ip"][0].data)
+
+
+def test_backward_over_a_layer_range_seeds_the_loss_weights():
+    net = Net(two_heads(), phase=TRAIN, dtype="float64")
+    net.forward(x=np.ones((3, 4)))
+    net.backward(start="ip3", end="ip3")
+    assert np.allclose(net.params["ip3"][1].diff, 0.5 * 3)  # loss weight 0.5, 3 samples
+
+
+def test_shared_multipliers_follow_caffe():
+    adopt = Net(net_text(f"""
+layer {{ name: "ip1" type: "InnerProduct" bottom: "x" top: "a" param {{ name: "w" }} {IP.format(n=4)} }}
+layer {{ name: "ip2" type: "InnerProduct" bottom: "a" top: "b" param {{ name: "w" lr_mult: 3 }} {IP.format(n=4)} }}
+"""))
+    assert adopt.builder.layers[1].params[0].meta["lr_mult"] == 3
+    with pytest.raises(LayerError, match="has decay_mult 2 here and 1 in layer 'ip1'"):
+        Net(net_text(f"""
+layer {{ name: "ip1" type: "InnerProduct" bottom: "x" top: "a" param {{ name: "w" decay_mult: 1 }} {IP.format(n=4)} }}
+layer {{ name: "ip2" type: "InnerProduct" bottom: "a" top: "b" param {{ name: "w" decay_mult: 2 }} {IP.format(n=4)} }}
+"""))
+
+
+def test_a_layer_name_used_twice_is_named():
+    with pytest.raises(LayerError, match="layer 'r' .*a layer name used twice"):
+        Net(net_text('layer { name: "r" type: "ReLU" bottom: "x" top: "y" }\n'
+                     'layer { name: "r" type: "ReLU" bottom: "y" top: "z" }'))

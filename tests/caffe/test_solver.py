@@ -172,3 +172,26 @@ def test_solver_settings_caffe_refuses_are_refused():
         read_solver(solver_text(type='"AdaGrad"'))
     with pytest.raises(ProtoError, match="rms_decay must be in"):
         read_solver(solver_text(type='"RMSProp"', momentum=0, rms_decay=1.5))
+
+
+def test_a_solvers_net_cannot_be_reshaped_and_bad_settings_are_named(tmp_path):
+    s = Solver(solver_text())
+    s.net.blobs["x"].reshape(2, 4)
+    with pytest.raises(PurineError, match="belongs to a solver"):
+        s.net.reshape()
+    with pytest.raises(ProtoError, match="iter_size must be at least 1"):
+        read_solver(solver_text(iter_size=0))
+    with pytest.raises(ProtoError, match="snapshot_prefix .* does not exist"):
+        Solver(solver_text(snapshot=5, snapshot_prefix=f'"{tmp_path}/missing/x"'))
+
+
+def test_snapshots_keep_the_seed_and_the_test_nets_state(tmp_path):
+    from purine.caffe.solver import snapshot_seed
+
+    text = solver_text(snapshot_prefix=f'"{tmp_path}/r"', random_seed=-1, test_iter=1,
+                       test_interval=100) + f"test_net_param {{ {NET} }}\n"
+    s = Solver(text)
+    s.step(2)
+    _, state = s.snapshot()
+    assert snapshot_seed(state) == s.seed
+    assert any(k.startswith("test0/") for k in s._private_state()["stateful"])

@@ -113,3 +113,32 @@ def test_cifar10_quick_replicas_equal_one_net_with_the_whole_batch(cifar_db, rep
             np.testing.assert_allclose(parallel.net.params[layer][k].data, v.data, rtol=1e-5,
                                        atol=1e-6 * np.abs(v.data).max(),
                                        err_msg=f"{layer}[{k}]")
+
+
+def test_batchnorm_statistics_advance_once_per_iteration_with_replicas():
+    """Each replica's forward pass updates its own BatchNorm statistics (as on Caffe's
+    GPUs); the kept statistics are the first replica's, the same with shared weights as
+    with weights in another memory space."""
+    from purine.graph import Location
+
+    net = """name: "bn"
+    layer { name: "d" type: "DummyData" top: "x" top: "y" dummy_data_param {
+      shape { dim: 4 dim: 3 } shape { dim: 4 dim: 2 }
+      data_filler { type: "gaussian" std: 1 } data_filler { type: "gaussian" std: 1 } } }
+    layer { name: "bn" type: "BatchNorm" bottom: "x" top: "b" }
+    layer { name: "ip" type: "InnerProduct" bottom: "b" top: "p"
+      inner_product_param { num_output: 2 weight_filler { type: "gaussian" std: 0.1 } } }
+    layer { name: "loss" type: "EuclideanLoss" bottom: "p" bottom: "y" top: "loss" }"""
+
+    def run(**kw) -> float:
+        s = Solver(pb.SolverParameter(net_param=read_net(net), base_lr=0.1, max_iter=3,
+                                      lr_policy="fixed", random_seed=1), **kw)
+        s.step(3)
+        return [v.data.copy() for v in s.net.params["bn"]]
+
+    one = run()
+    shared = run(replicas=2)
+    apart = run(replicas=2, replica_locations=[Location("cpu", 1)])
+    assert one[2][0] == shared[2][0] == apart[2][0]  # moving-average factor: 3 updates
+    for a, b in zip(shared, apart):
+        assert np.array_equal(a, b)
