@@ -279,9 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   ".caffemodel"))
 
     p = sub.add_parser("demo", help="train Caffe's LeNet on the embedded MNIST digits "
-                                    "(offline, a minute or two on 2 cores)")
-    _flag(p, "dir", default="purine-demo", help="where the LMDBs and log go (default "
-                                               "./purine-demo)")
+                                    "(offline, about half a minute on 2 cores)")
+    _flag(p, "dir", default="purine-demo", help="where the LMDBs and the final snapshot go "
+                                               "(default ./purine-demo; examples/mnist "
+                                               "gives models/lenet the LMDBs it expects)")
     _flag(p, "iterations", type=int, default=1000, help="training iterations (default 1000)")
     _flag(p, "threads", type=int, default=1, help="dispatcher worker threads")
     p.set_defaults(run=cmd_demo)

@@ -166,8 +166,10 @@ def test_real_graphviz_renders_svg(tmp_path, lenet_files):
     assert "<svg" in svg and 'class="node solver"' in svg and "ConvBackwardWeight" in svg
 
 
-def test_user_errors(tmp_path, capsys):
-    # LeNet's LMDBs are not here: the message says how to draw it anyway.
+def test_user_errors(tmp_path, capsys, monkeypatch):
+    # LeNet's LMDBs are not here (a user may have built them in the checkout; the relative
+    # sources are then looked up from an empty folder): the message says how to draw it.
+    monkeypatch.chdir(tmp_path)
     assert main(["--model", LENET, str(tmp_path / "x.dot")]) == 1
     err = capsys.readouterr().err
     assert "--stand_in data=N,... --stand_in label=N,..." in err and "--layers" in err
