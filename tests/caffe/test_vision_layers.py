@@ -520,11 +520,20 @@ def test_lrn_beta_fast_paths_match_pow():
 
 
 # -- the conv kernels' internal paths: layouts, chunks, full correlation ----------------------
+COLS = dict(ROW_RUN_MIN=10 ** 9, SAMPLE_PIXELS_MIN=10 ** 9)  # the (K, n*P) column layout
+ROWS = dict(ROW_RUN_MIN=0, ROW_OUTPUTS_MAX=10 ** 9)  # channels-last (n*P, K) rows
+SAMPLES = dict(ROW_RUN_MIN=10 ** 9, SAMPLE_PIXELS_MIN=0)  # per-sample (K, P) GEMMs
 PATHS = {
-    "batch_first": dict(BATCH_LAST_BELOW=0, FULL_CORRELATION_RATIO=0.0),
-    "batch_last": dict(BATCH_LAST_BELOW=10 ** 6, FULL_CORRELATION_RATIO=0.0),
-    "full_correlation_batch_first": dict(BATCH_LAST_BELOW=0, FULL_CORRELATION_RATIO=1e9),
-    "full_correlation_batch_last": dict(BATCH_LAST_BELOW=10 ** 6, FULL_CORRELATION_RATIO=1e9),
+    "batch_first": dict(COLS, BATCH_LAST_BELOW=0, FULL_CORRELATION_RATIO=0.0),
+    "batch_last": dict(COLS, BATCH_LAST_BELOW=10 ** 6, FULL_CORRELATION_RATIO=0.0),
+    "full_correlation_batch_first": dict(COLS, BATCH_LAST_BELOW=0,
+                                         FULL_CORRELATION_RATIO=1e9),
+    "full_correlation_batch_last": dict(COLS, BATCH_LAST_BELOW=10 ** 6,
+                                        FULL_CORRELATION_RATIO=1e9),
+    "rows": dict(ROWS, FULL_CORRELATION_RATIO=0.0),
+    "rows_full_correlation": dict(ROWS, FULL_CORRELATION_RATIO=1e9),
+    "samples": dict(SAMPLES, FULL_CORRELATION_RATIO=0.0),
+    "samples_full_correlation": dict(SAMPLES, FULL_CORRELATION_RATIO=1e9),
 }
 KERNEL_CASES = [
     (3, 4, 7, 6, 6, 3, 2, 2, 1, 1, 1, 1, 1, 2),
@@ -532,6 +541,8 @@ KERNEL_CASES = [
     (5, 3, 6, 7, 5, 2, 3, 1, 1, 1, 2, 1, 1, 1),
     (3, 2, 5, 5, 3, 3, 3, 1, 1, 0, 0, 1, 1, 1),
     (4, 6, 4, 4, 6, 1, 1, 1, 1, 0, 0, 1, 1, 3),
+    (3, 2, 9, 11, 3, 3, 3, 1, 2, 1, 1, 2, 2, 1),  # row stride 1, column stride 2, dilated
+    (2, 4, 6, 8, 4, 2, 3, 1, 3, 1, 0, 1, 2, 2),
 ]
 
 
@@ -585,6 +596,8 @@ def test_conv_kernel_paths(monkeypatch, path, chunk, args):
         monkeypatch.setattr(conv_ops, "MIN_COLUMNS", 0)
     ws = conv_ops._Workspace(np, g, np.float64)
     assert len(ws.chunks) == (1 if chunk is None else -(-g.num // chunk))
+    layout = path.split("_")[0] if path.startswith(("rows", "samples")) else "cols"
+    assert conv_ops._layout(g, forward=True) == layout
     y = np.empty_like(dy)
     conv_ops.conv_forward(x, w, b, y, geom=g)
     np.testing.assert_allclose(y, want_y, atol=1e-12)
@@ -600,15 +613,24 @@ def test_conv_kernel_paths(monkeypatch, path, chunk, args):
     np.testing.assert_allclose(db, 2 * dy.sum(axis=(0, 2, 3)), atol=1e-12)
 
 
-def test_conv_kernels_keep_float32():
+@pytest.mark.parametrize("path", [COLS, ROWS, SAMPLES])
+def test_conv_kernels_keep_float32(monkeypatch, path):
+    for name, value in path.items():
+        monkeypatch.setattr(conv_ops, name, value)
     g = conv_ops.ConvGeometry(2, 3, 6, 6, 4, 3, 3, pad_h=1, pad_w=1)
     rng = np.random.default_rng(13)
     x = rng.standard_normal((2, 3, 6, 6)).astype(np.float32)
     w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
     y = np.empty((2, 4, 6, 6), np.float32)
-    conv_ops.conv_forward(x, w, y, geom=g)
-    np.testing.assert_allclose(y, conv_ref(x.astype(float), w.astype(float), None,
+    conv_ops.conv_forward(x, w, b, y, geom=g)
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(y, conv_ref(x.astype(float), w.astype(float), b.astype(float),
                                            pad=(1, 1)), rtol=1e-4, atol=1e-4)
+    dw = np.empty_like(w)
+    conv_ops.conv_backward_weight(x, y, dw, geom=g)
+    want = conv_weight_ref(x.astype(float), y.astype(float), (3, 3), (1, 1), (1, 1), (1, 1), 1)
+    np.testing.assert_allclose(dw, want, rtol=1e-4, atol=1e-3)
 
 
 # -- errors ----------------------------------------------------------------------------------
