@@ -109,56 +109,39 @@ def _conv_setup(L: LayerBuild, deconv: bool) -> tuple[conv.ConvGeometry, tuple[i
     return geom, weight, top
 
 
-@register("Convolution")
+@register("Convolution", "Deconvolution")
 def convolution(L: LayerBuild):
-    geom, weight, top_shape = _conv_setup(L, deconv=False)
+    # Deconvolution is Caffe's transposed convolution: its forward is the convolution's
+    # backward-data and its backward-data the convolution's forward, with the weight
+    # (channels, num_output / group, kh, kw) and the roles of x and dy swapped.
+    deconv = L.type == "Deconvolution"
+    forward, backward_data = ((conv.deconv_forward, conv.conv_forward) if deconv
+                              else (conv.conv_forward, conv.conv_backward_data))
+    kind = "Deconv" if deconv else "Conv"
+    geom, weight, top_shape = _conv_setup(L, deconv=deconv)
     p = L.param.convolution_param
     w = L.add_param(weight, p.weight_filler)
     b = L.add_param((p.num_output,), p.bias_filler) if p.bias_term else None
     xs = L.bottoms
     ys = [L.top(i, top_shape) for i in range(len(xs))]
     for x, y in zip(xs, ys, strict=True):
-        L.forward(conv.conv_forward, [x, w] + ([b] if b else []), [y], geom=geom)
+        L.forward(forward, [x, w] + ([b] if b else []), [y], op_type=f"{kind}Forward",
+                  geom=geom)
 
     def backward():
         dys = [L.top_diff(i) for i in range(len(xs))]
         if L.needs_param_diff(0):
-            pairs = [a for x, dy in zip(xs, dys, strict=True) for a in (x, dy)]
-            L.backward(conv.conv_backward_weight, pairs, [L.param_diff(0)], geom=geom)
-        if b is not None and L.needs_param_diff(1):
-            L.backward(conv.conv_backward_bias, dys, [L.param_diff(1)], num=geom.num)
-        for i, dy in enumerate(dys):
-            if L.needs_diff(i):
-                L.backward(conv.conv_backward_data, [dy, w], [L.bottom_diff(i)], geom=geom)
-    return backward
-
-
-@register("Deconvolution")
-def deconvolution(L: LayerBuild):
-    # Caffe's transposed convolution: forward is the convolution's backward-data, so the
-    # weight is (channels, num_output / group, kh, kw).
-    geom, weight, top_shape = _conv_setup(L, deconv=True)
-    p = L.param.convolution_param
-    w = L.add_param(weight, p.weight_filler)
-    b = L.add_param((p.num_output,), p.bias_filler) if p.bias_term else None
-    xs = L.bottoms
-    ys = [L.top(i, top_shape) for i in range(len(xs))]
-    for x, y in zip(xs, ys, strict=True):
-        L.forward(conv.deconv_forward, [x, w] + ([b] if b else []), [y], geom=geom)
-
-    def backward():
-        dys = [L.top_diff(i) for i in range(len(xs))]
-        if L.needs_param_diff(0):
-            pairs = [a for x, dy in zip(xs, dys, strict=True) for a in (dy, x)]
+            pairs = [a for x, dy in zip(xs, dys, strict=True)
+                     for a in ((dy, x) if deconv else (x, dy))]
             L.backward(conv.conv_backward_weight, pairs, [L.param_diff(0)], geom=geom,
-                       op_type="DeconvBackwardWeight")
+                       op_type=f"{kind}BackwardWeight")
         if b is not None and L.needs_param_diff(1):
             L.backward(conv.conv_backward_bias, dys, [L.param_diff(1)], num=geom.num,
-                       op_type="DeconvBackwardBias")
+                       op_type=f"{kind}BackwardBias")
         for i, dy in enumerate(dys):
             if L.needs_diff(i):
-                L.backward(conv.conv_forward, [dy, w], [L.bottom_diff(i)], geom=geom,
-                           op_type="DeconvBackwardData")
+                L.backward(backward_data, [dy, w], [L.bottom_diff(i)], geom=geom,
+                           op_type=f"{kind}BackwardData")
     return backward
 
 
