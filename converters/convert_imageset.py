@@ -17,6 +17,7 @@ import numpy as np
 
 from converters import ConvertError, bool_flag, flag, run_main
 from purine.caffe import caffe_pb2 as pb
+from purine.data.image_list import read_list
 from purine.log import get_logger
 
 COMMIT_EVERY = 1000  # records per LMDB transaction, as Caffe's tools commit
@@ -267,35 +268,6 @@ def _check_encoding(encoding: str) -> None:
 
 
 # -- the list file and the images it names -----------------------------------------------
-def read_list(listfile: str | os.PathLike) -> list[tuple[str, int, int]]:
-    """(relative path, label, line number) for each line ``path label`` of ``listfile``.
-    The label follows the last space, so paths may hold spaces (as in Caffe); blank lines
-    are skipped."""
-    path = os.fspath(listfile)
-    try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as f:
-            text = f.read()
-    except OSError as e:
-        raise ConvertError(f"{path}: cannot read the list file: {e.strerror}") from None
-    lines = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line:
-            continue
-        parts = line.rsplit(None, 1)
-        if len(parts) < 2:
-            raise ConvertError(f"{path}:{lineno}: '{line}' has no label; each line is "
-                               "'relative/path label'")
-        name, label = parts
-        try:
-            value = int(label)
-        except ValueError:
-            raise ConvertError(f"{path}:{lineno}: label '{label}' of '{name}' is not an "
-                               "integer") from None
-        if not -2**31 <= value < 2**31:
-            raise ConvertError(f"{path}:{lineno}: label {value} does not fit Datum's int32")
-        lines.append((name, value, lineno))
-    return lines
 
 
 def _ext(name: str) -> str:

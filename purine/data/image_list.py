@@ -6,6 +6,7 @@ permutation is drawn from (seed, layer index, e), so a resumed run sees the same
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 
 import cv2
@@ -16,33 +17,41 @@ from purine.data.datum import Image, check_depth
 from purine.data.prefetch import Batch, BufferPool
 from purine.data.transformer import Shape, Transformer
 
+_LINE = re.compile(r"(.*)\s(\S+)")  # path, then the label after the last whitespace
 _SHUFFLE = 0x5E1F  # keeps the epoch permutations' streams apart from the transforms'
 
 
 def read_list(path: str | os.PathLike) -> list[tuple[str, int, int]]:
-    """(image path, label, line number) per non-blank line; the label is the text after the
-    last space, as Caffe's ImageDataLayer splits a line."""
+    """(image path, label, line number) per non-blank line of a Caffe list file; the label
+    is the integer after the last space (or tab), as Caffe's ImageDataLayer and
+    convert_imageset split a line, so paths may hold spaces."""
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             text = f.read()
     except OSError as e:
-        raise DataError(f"image list '{path}': cannot read: {e.strerror}") from None
+        raise DataError(f"{path}: cannot read the list file: {e.strerror}") from None
     out = []
     for n, line in enumerate(text.splitlines(), 1):
-        line = line.rstrip()
+        line = line.strip()
         if not line:
             continue
-        name, sep, label = line.rpartition(" ")
-        try:
-            if not sep or not name:
-                raise ValueError
-            out.append((name, int(label), n))
-        except ValueError:
-            raise DataError(f"{path}:{n}: expected 'path label' (an integer label after the "
-                            f"last space), got {line!r}") from None
-    if not out:
-        raise DataError(f"image list '{path}' lists no images")
+        split = _LINE.fullmatch(line)
+        if split is None:
+            why = "it has no label"
+        else:
+            name, label = split.groups()
+            try:
+                value = int(label)
+            except ValueError:
+                why = f"label '{label}' of '{name}' is not an integer"
+            else:
+                if -2**31 <= value < 2**31:
+                    out.append((name, value, n))
+                    continue
+                why = f"label {value} does not fit Datum's int32"
+        raise DataError(f"{path}:{n}: expected 'path label' (an integer label after the last "
+                        f"space), got {line!r}: {why}")
     return out
 
 
@@ -54,6 +63,8 @@ class ImageList:
                  seed: int = 0, index: int = 0):
         self.source = os.fspath(source)
         self.lines = read_list(self.source)
+        if not self.lines:
+            raise DataError(f"image list '{self.source}' lists no images")
         self.root, self.is_color = root_folder, is_color
         self.size = (new_width, new_height) if new_height > 0 and new_width > 0 else None
         self.shuffle, self.seed, self.index = shuffle, seed, index

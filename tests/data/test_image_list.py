@@ -26,8 +26,9 @@ def test_bad_lines_name_file_and_line(tmp_path, line):
 
 def test_empty_and_missing_lists(tmp_path):
     (tmp_path / "empty.txt").write_text("\n\n")
+    assert read_list(tmp_path / "empty.txt") == []
     with pytest.raises(DataError, match="lists no images"):
-        read_list(tmp_path / "empty.txt")
+        ImageList(tmp_path / "empty.txt")
     with pytest.raises(DataError, match="cannot read"):
         read_list(tmp_path / "missing.txt")
 
