@@ -4,10 +4,9 @@ and what they share: their error type and gflags-style flags (one dash or two, `
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 
-from purine.errors import PurineError
+from purine.errors import PurineError, run_reporting
 
 
 class ConvertError(PurineError):
@@ -50,11 +49,4 @@ def run_main(prog: str, add_arguments: Callable[[argparse.ArgumentParser], None]
         args = parser.parse_args(argv)
     except SystemExit as e:  # usage errors and --help: argparse has printed why
         return e.code if isinstance(e.code, int) else 2
-    try:
-        return args.run(args)
-    except (PurineError, OSError) as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+    return run_reporting(prog, lambda: args.run(args))

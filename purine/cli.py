@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from purine.errors import PurineError
+from purine.errors import PurineError, run_reporting
 from purine.log import get_logger
 
 
@@ -295,14 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.run(args)
-    except (PurineError, OSError) as e:
-        print(f"purine-caffe {args.command}: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"purine-caffe {args.command}: interrupted", file=sys.stderr)
-        return 130
+    return run_reporting(f"purine-caffe {args.command}", lambda: args.run(args))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from purine.caffe import caffe_pb2 as pb
-from purine.errors import PurineError
+from purine.errors import PurineError, run_reporting
 
 if TYPE_CHECKING:
     from purine.caffe.net import NetBuilder
@@ -446,11 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # usage errors and --help: argparse has printed why
         return e.code if isinstance(e.code, int) else 2
-    try:
-        return args.run(args)
-    except PurineError as e:
-        print(f"draw: {e}", file=sys.stderr)
-        return 1
+    return run_reporting("draw", lambda: args.run(args))
 
 
 if __name__ == "__main__":

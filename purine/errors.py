@@ -1,5 +1,9 @@
 """The project's exceptions: every error a user can cause is a PurineError whose message
-names the file, the layer or the line, and what was expected."""
+names the file, the layer or the line, and what was expected; commands turn them into one
+line and an exit code."""
+
+import sys
+from collections.abc import Callable
 
 
 class PurineError(Exception):
@@ -26,3 +30,16 @@ class LayerError(PurineError):
 class LabelError(PurineError):
     """A class label outside ``[0, classes)`` that is not the ignore_label (found at run
     time by a loss kernel)."""
+
+
+def run_reporting(prog: str, run: Callable[[], int]) -> int:
+    """Run a command: a user's error (a PurineError, or an OSError such as an unwritable
+    output) becomes one line on stderr and exit code 1; Ctrl-C exit code 130."""
+    try:
+        return run()
+    except (PurineError, OSError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
