@@ -10,42 +10,14 @@ import os
 import sys
 from collections.abc import Callable
 
-from google.protobuf import message, text_format
+from google.protobuf import text_format
 
 from converters import run_main
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe import upgrade as up
 from purine.caffe.caffemodel import atomic_write
-from purine.caffe.prototxt import parse_text
-from purine.errors import ProtoError
+from purine.caffe.prototxt import read_binary, read_text
 from purine.log import get_logger
-
-
-def _read(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise ProtoError(f"{path}: cannot read: {e.strerror}") from None
-
-
-def read_text(path: str | os.PathLike, msg: message.Message) -> message.Message:
-    """A text proto whatever the file's suffix (Caffe's tools do not look at it)."""
-    path = os.fspath(path)
-    try:
-        text = _read(path).decode("utf-8")
-    except UnicodeDecodeError:
-        raise ProtoError(f"{path}: not a text {msg.DESCRIPTOR.name} (binary data)") from None
-    return parse_text(text, msg, path)
-
-
-def read_binary(path: str | os.PathLike, msg: message.Message) -> message.Message:
-    path = os.fspath(path)
-    try:
-        msg.ParseFromString(_read(path))
-    except message.DecodeError as e:
-        raise ProtoError(f"{path}: not a binary {msg.DESCRIPTOR.name} ({e})") from None
-    return msg
 
 
 def _upgrade(net: pb.NetParameter, path: str) -> tuple[pb.NetParameter, list[str]]:

@@ -47,19 +47,23 @@ def read_binary(path: str | os.PathLike, msg: M, what: str = "") -> M:
     return msg
 
 
-def read_message(path: str | os.PathLike, msg: M) -> M:
-    """Read ``path`` into ``msg``: binary for Caffe's binary suffixes, else text."""
+def read_text(path: str | os.PathLike, msg: M) -> M:
+    """Parse the text protobuf file ``path`` into ``msg``, whatever its suffix."""
     path = os.fspath(path)
-    if path.endswith(BINARY_SUFFIXES):
-        return read_binary(path, msg)
-    data = _read_bytes(path)
     try:
-        text = data.decode("utf-8")
+        text = _read_bytes(path).decode("utf-8")
     except UnicodeDecodeError:
         raise ProtoError(
-            f"{path}: not a text prototxt (binary data); binary files should end in "
-            f"{', '.join(BINARY_SUFFIXES)}") from None
+            f"{path}: not a text {msg.DESCRIPTOR.name} (binary data); binary files should "
+            f"end in {', '.join(BINARY_SUFFIXES)}") from None
     return parse_text(text, msg, path)
+
+
+def read_message(path: str | os.PathLike, msg: M) -> M:
+    """Read ``path`` into ``msg``: binary for Caffe's binary suffixes, else text."""
+    if os.fspath(path).endswith(BINARY_SUFFIXES):
+        return read_binary(path, msg)
+    return read_text(path, msg)
 
 
 def read_net(source: str | os.PathLike | pb.NetParameter) -> pb.NetParameter:
