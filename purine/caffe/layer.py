@@ -42,6 +42,20 @@ class Stateful(Protocol):
 
 Builder = Callable[["LayerBuild"], "Backward | None"]
 
+
+class LegacyAxes:
+    """pycaffe's num / channels / height / width over a blob's ``shape`` (1 past its axes)."""
+
+    shape: tuple[int, ...]
+
+    def _axis(self, i: int) -> int:
+        return self.shape[i] if i < len(self.shape) else 1
+
+    num = property(lambda self: self._axis(0))
+    channels = property(lambda self: self._axis(1))
+    height = property(lambda self: self._axis(2))
+    width = property(lambda self: self._axis(3))
+
 BUILDERS: dict[str, Builder] = {}
 
 

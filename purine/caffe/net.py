@@ -13,7 +13,7 @@ import numpy as np
 
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.fillers import fill
-from purine.caffe.layer import BUILDERS, LayerBuild, Stateful, kernel
+from purine.caffe.layer import BUILDERS, LayerBuild, LegacyAxes, Stateful, kernel
 from purine.caffe.prototxt import filter_net, insert_splits, read_net
 from purine.errors import LayerError, PurineError
 from purine.graph import CPU, Blob, Graph, Location, Op
@@ -255,7 +255,7 @@ class NetBuilder:
                 owner.backward_ops.append(op)
 
 
-class BlobView:
+class BlobView(LegacyAxes):
     """``net.blobs[name]``: a Caffe blob's data and diff as numpy arrays."""
 
     def __init__(self, net: Net, name: str, data: Blob, diff: Blob | None):
@@ -278,15 +278,6 @@ class BlobView:
     @property
     def count(self) -> int:
         return self._data.count
-
-    def _axis(self, i: int) -> int:
-        s = self._data.shape
-        return s[i] if i < len(s) else 1
-
-    num = property(lambda self: self._axis(0))
-    channels = property(lambda self: self._axis(1))
-    height = property(lambda self: self._axis(2))
-    width = property(lambda self: self._axis(3))
 
     def reshape(self, *shape: int) -> None:
         """Record a new shape for an input blob; ``net.reshape()`` applies it."""

@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 
 from purine.caffe import caffe_pb2 as pb
-from purine.caffe.layer import LayerBuild, register
+from purine.caffe.layer import LayerBuild, LegacyAxes, register
 from purine.errors import LayerError
 from purine.graph import Blob
 
 
-class PyBlob:
+class PyBlob(LegacyAxes):
     """A blob as a Python layer sees it (pycaffe's ``Blob``): ``data`` and ``diff`` arrays,
     ``shape``, the legacy ``num``/``channels``/``height``/``width``, ``count``, ``reshape``.
 
@@ -69,15 +69,6 @@ class PyBlob:
     @property
     def count(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
-
-    def _axis(self, i: int) -> int:
-        s = self.shape
-        return s[i] if i < len(s) else 1
-
-    num = property(lambda self: self._axis(0))
-    channels = property(lambda self: self._axis(1))
-    height = property(lambda self: self._axis(2))
-    width = property(lambda self: self._axis(3))
 
     def reshape(self, *shape: int) -> None:
         if len(shape) == 1 and isinstance(shape[0], tuple | list):
