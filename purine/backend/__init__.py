@@ -41,6 +41,61 @@ def get_array_module(*arrays: Any) -> ModuleType:
     return np
 
 
+_GPU_REASON: list[str | None] = []
+
+
+def gpu_unavailable() -> str | None:
+    """None when CuPy is installed and sees at least one CUDA device; otherwise why not, in
+    words a user can act on (GPU tests skip with this reason)."""
+    if not _GPU_REASON:
+        try:
+            import cupy
+        except ImportError:
+            _GPU_REASON.append("CuPy is not installed (pip install 'purine-caffe[gpu]')")
+        else:
+            try:
+                n = cupy.cuda.runtime.getDeviceCount()
+            except Exception as e:  # no driver, or a driver older than CuPy's CUDA
+                _GPU_REASON.append(f"no usable CUDA GPU ({type(e).__name__}: {e})")
+            else:
+                _GPU_REASON.append(None if n > 0 else "no CUDA GPU on this machine")
+    return _GPU_REASON[0]
+
+
+def gpu_count() -> int:
+    if gpu_unavailable() is not None:
+        return 0
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceCount())
+
+
+def is_device_array(a: Any) -> bool:
+    return type(a).__module__.startswith("cupy")
+
+
+def to_host(a: Any) -> np.ndarray:
+    """A numpy array of ``a``'s values (a copy when ``a`` lives on a GPU; this waits for
+    the GPU work that writes it)."""
+    if is_device_array(a):
+        return a.get()
+    return np.asarray(a)
+
+
+def assign(dst: Any, value: Any) -> None:
+    """``dst[...] = value`` wherever ``dst`` lives; ``value`` may be a host array, a device
+    array or a scalar."""
+    if is_device_array(dst) and not is_device_array(value):
+        value = np.asarray(value, dtype=dst.dtype)
+        if value.shape == dst.shape and dst.flags.c_contiguous:
+            dst.set(np.ascontiguousarray(value))
+            return
+        import cupy
+
+        value = cupy.asarray(value)
+    dst[...] = value
+
+
 def allocate(location: Location, shape: tuple[int, ...], dtype: str) -> Any:
     xp = array_module(location)
     if location.device == "gpu":
