@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -94,6 +95,76 @@ def assign(dst: Any, value: Any) -> None:
 
         value = cupy.asarray(value)
     dst[...] = value
+
+
+# -- GPU streams and events ---------------------------------------------------------------
+# Each GPU location (device index, thread) is one CUDA stream. The streams are "blocking"
+# ones (CuPy's default): work issued on the legacy default stream, as the main thread's
+# reads of a loss are, waits for them, so a host read never sees a value still being written.
+
+_STREAMS: dict[tuple[int, int], Any] = {}
+_STREAMS_LOCK = threading.Lock()
+_CURRENT = threading.local()
+
+
+def stream(location: Location) -> Any:
+    """The CUDA stream of a GPU location, made on first use."""
+    key = (location.index, location.thread)
+    s = _STREAMS.get(key)
+    if s is None:
+        import cupy
+
+        with _STREAMS_LOCK:
+            s = _STREAMS.get(key)
+            if s is None:
+                with cupy.cuda.Device(location.index):
+                    s = _STREAMS[key] = cupy.cuda.Stream()
+    return s
+
+
+def activate(location: Location) -> None:
+    """Make ``location``'s device and stream current in the calling thread (CuPy keeps both
+    per thread), so that kernels launched here run on that stream. Cheap when already so."""
+    if location.device != "gpu" or getattr(_CURRENT, "location", None) == location:
+        return
+    import cupy
+
+    cupy.cuda.Device(location.index).use()
+    stream(location).use()
+    _CURRENT.location = location
+
+
+def record(location: Location) -> Any:
+    """An event marking the work issued so far on ``location``'s stream."""
+    import cupy
+
+    with cupy.cuda.Device(location.index):
+        e = cupy.cuda.Event(block=False, disable_timing=True)
+        e.record(stream(location))
+    return e
+
+
+def wait(location: Location, event: Any) -> None:
+    """Order ``location`` after ``event``: a GPU stream waits on the device, the host (a CPU
+    location) blocks until the event has happened."""
+    if location.device == "gpu":
+        stream(location).wait_event(event)
+    else:
+        event.synchronize()
+
+
+def synchronize(location: Location | None = None) -> None:
+    """Wait until the GPU work issued for ``location``'s device (every device if None) is
+    done; nothing to wait for on a CPU location."""
+    if location is not None and location.device != "gpu":
+        return
+    if gpu_unavailable() is not None:
+        return
+    import cupy
+
+    indices = [location.index] if location is not None else range(gpu_count())
+    for i in indices:
+        cupy.cuda.Device(i).synchronize()
 
 
 def allocate(location: Location, shape: tuple[int, ...], dtype: str) -> Any:

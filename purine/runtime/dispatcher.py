@@ -4,10 +4,17 @@ ready ops go to the worker thread of their location; a finished op releases its 
 Storage belongs to the dispatcher: one array per blob, allocated on first use. Because every
 conflicting pair of ops is ordered by a derived edge, the result never depends on how the
 workers interleave, and equals a sequential run in program order bit for bit.
+
+A GPU location is one CUDA stream, and its worker only issues kernels: the dispatcher
+records an event where a blob's producer and consumer sit on different streams (or a host
+op needs a GPU result), and the consumer's stream waits on the device; consecutive runs
+are joined the same way. Host Python never waits for the GPU except where a host op reads
+what the GPU wrote.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -15,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from purine.backend import allocate
+from purine.backend import activate, allocate, record, stream, wait
 from purine.errors import PurineError
 from purine.graph import Blob, Graph, Location, Op
 
@@ -40,6 +47,20 @@ class _Plan:
             for p in d:
                 self.dependents[p].append(o)
         self.locations = {o.location for o in self.ops}
+        # GPU work is asynchronous: an op on a GPU stream is "finished" for the dispatcher
+        # once its kernels are issued. Where a dependent runs at another location, the
+        # producer records an event after its kernels and the dependent's location waits for
+        # it: another stream on the device, the host by blocking (only where a host op needs
+        # what GPU work wrote or still reads). Edges from host ops need nothing: a host op's
+        # work is done when it returns.
+        self.waits: dict[Op, list[Op]] = {}
+        self.records: set[Op] = set()
+        for o, d in deps.items():
+            w = [p for p in d if p.location.device == "gpu" and p.location != o.location]
+            if w:
+                self.waits[o] = w
+                self.records.update(w)
+        self.streams = {o.location for o in self.ops if o.location.device == "gpu"}
 
 
 class _Worker(threading.Thread):
@@ -72,6 +93,9 @@ class Dispatcher:
         self._plans: dict[tuple[Op, ...], _Plan] = {}
         self._workers: dict[Location, _Worker] = {}
         self._bound: dict[Op, tuple[list[Any], list[Any]]] = {}
+        self._events: dict[Op, Any] = {}  # the last event each recording op recorded
+        self._fence: dict[Location, Any] = {}  # per GPU stream: the end of its last run
+        self._seen_streams: set[Location] = set()
 
     # -- storage ----------------------------------------------------------------------
     def array(self, blob: Blob) -> Any:
@@ -102,15 +126,23 @@ class Dispatcher:
                        if blob not in o.inputs and blob not in o.outputs}
 
     # -- running ----------------------------------------------------------------------
-    def _execute(self, op: Op) -> None:
+    def _execute(self, op: Op, plan: _Plan) -> None:
+        loc = op.location
+        activate(loc)  # a GPU op's kernels go to its location's stream
+        for p in plan.waits.get(op, ()):
+            wait(loc, self._events[p])
         ins, outs = self._args(op)
         if self.profile:
             t0 = time.perf_counter()
             op.kernel(ins, outs)
+            if loc.device == "gpu":  # profiled GPU ops run one at a time: the time is the op's
+                stream(loc).synchronize()
             self.trace.append(
                 TraceEvent(op, t0, time.perf_counter(), threading.current_thread().name))
         else:
             op.kernel(ins, outs)
+        if op in plan.records:
+            self._events[op] = record(loc)
 
     def _plan(self, ops: Sequence[Op] | None) -> _Plan:
         key = tuple(self.graph.ops if ops is None else ops)
@@ -121,15 +153,29 @@ class Dispatcher:
 
     def run_sequential(self, ops: Sequence[Op] | None = None) -> None:
         """Run in program order in the calling thread: the reference schedule."""
-        for op in self._plan(ops).ops:
-            self._run_one(op)
+        plan = self._plan(ops)
+        self._fence_in(plan)
+        for op in plan.ops:
+            try:
+                self._execute(op, plan)
+            except PurineError as e:
+                _name_op(e, op)
+                raise
+        self._fence_out(plan)
 
-    def _run_one(self, op: Op) -> None:
-        try:
-            self._execute(op)
-        except PurineError as e:
-            _name_op(e, op)
-            raise
+    def _fence_in(self, plan: _Plan) -> None:
+        """Order this run's GPU streams after the previous run's work on the other streams
+        (the dependencies of one run do not reach into the last): the streams wait for each
+        other on the device, the host does not wait."""
+        for s in plan.streams:
+            for other, event in self._fence.items():
+                if other != s:
+                    wait(s, event)
+
+    def _fence_out(self, plan: _Plan) -> None:
+        self._seen_streams |= plan.streams
+        if len(self._seen_streams) > 1:
+            self._fence.update({s: record(s) for s in plan.streams})
 
     def run(self, ops: Sequence[Op] | None = None) -> None:
         plan = self._plan(ops)
@@ -139,6 +185,8 @@ class Dispatcher:
             return
         for o in plan.ops:  # storage is allocated here, never by two workers at once
             self._args(o)
+        self._fence_in(plan)
+        execute = functools.partial(self._execute, plan=plan)
         done: queue.SimpleQueue = queue.SimpleQueue()
         remaining = dict(plan.count)
         in_flight = 0
@@ -147,7 +195,7 @@ class Dispatcher:
         def submit(o: Op) -> None:
             nonlocal in_flight
             in_flight += 1
-            self._worker(o.location).inbox.put((self._execute, o, done))
+            self._worker(o.location).inbox.put((execute, o, done))
 
         for o in plan.ops:
             if remaining[o] == 0:
@@ -168,6 +216,7 @@ class Dispatcher:
             if isinstance(err, PurineError):
                 _name_op(err, op)
             raise err
+        self._fence_out(plan)
 
     def _worker(self, location: Location) -> _Worker:
         w = self._workers.get(location)
