@@ -5,6 +5,12 @@ The solver graph (which blobs feed which op, per parameter) is wired in purine/c
 Scalars (``lr``, ``it``, the clipping ``scale``) are 0-d arrays so they stay on the device.
 Update kernels take the parameter and its histories both as inputs and as outputs; the
 in-place call passes the same array twice. The gradient ``g`` is read only.
+
+On a GPU the learning rate, prepare_gradient and each update are one fused elementwise kernel
+(``FUSED``) that reads the 0-d scalars on the device: nothing waits for the host. They repeat
+the numpy path's operations in its order with one rounding each, so they give the CPU's numbers
+bit for bit, except where pow/exp enter (the lr policies, Adam's bias correction): CUDA's and
+the host's libm may differ in the last place there.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import numpy as np
 
 from purine.backend import get_array_module
 from purine.errors import PurineError
+from purine.ops.tensor import elementwise, scalar_arg
 
 Array = Any
 
@@ -61,8 +68,38 @@ def rate(policy: str, it: int, *, base_lr: float, gamma: float = 0.0, power: flo
 def learning_rate(it: Array, lr_out: Array, *, policy: str, base_lr: float, gamma: float,
                   power: float, stepsize: int, stepvalues: tuple, max_iter: int) -> None:
     """lr_out = rate(policy, it, ...); ``it`` is a 0-d array holding the iteration."""
+    if get_array_module(lr_out) is not np:
+        rate(policy, 0, base_lr=base_lr, gamma=gamma, power=power, stepsize=stepsize,
+             stepvalues=stepvalues, max_iter=max_iter)  # the host path's parameter errors
+        code = _lr_code(policy, stepvalues)
+        elementwise(f"lr_{policy}", _LR_PARAMS, "L lr", code)(
+            scalar_arg(it), float(base_lr), float(gamma), float(power), int(stepsize),
+            float(max_iter), lr_out)
+        return
     lr_out[...] = rate(policy, int(it), base_lr=base_lr, gamma=gamma, power=power,
                        stepsize=stepsize, stepvalues=stepvalues, max_iter=max_iter)
+
+
+_LR_PARAMS = ("float64 it, float64 base_lr, float64 gamma, float64 power, int64 stepsize, "
+              "float64 max_iter")
+
+
+def _lr_code(policy: str, stepvalues: Sequence[int]) -> str:
+    """``rate`` in CUDA C over the 0-d ``it``, the same double arithmetic as the host's."""
+    if policy == "multistep":
+        reached = "".join(f"k += (it >= {int(s)}.0);\n" for s in stepvalues)
+        r = f"double k = 0.0;\n{reached}double r = base_lr * pow(gamma, k);"
+    else:
+        r = "double r = " + {
+            "fixed": "base_lr;",
+            "step": "base_lr * pow(gamma, (double)((long long)it / stepsize));",
+            "exp": "base_lr * pow(gamma, it);",
+            "inv": "base_lr * pow(1.0 + gamma * it, -power);",
+            # pow of a negative base and a fractional power is NaN, as the host path's
+            "poly": "base_lr * pow(1.0 - it / max_iter, power);",
+            "sigmoid": "base_lr / (1.0 + exp(-gamma * (it - (double)stepsize)));",
+        }[policy]
+    return r + "\nlr = (L)r;"
 
 
 # -- clipping, Normalize, Regularize ---------------------------------------------------------
@@ -111,6 +148,12 @@ def prepare_gradient(w: Array, g: Array, scale: Array, g_out: Array, *, iter_siz
                           f"{', '.join(REGULARIZATION_TYPES)}")
     xp = get_array_module(w, g, g_out)
     dt = g_out.dtype.type
+    if xp is not np:
+        _prime(g, g_out)
+        reg = 0 if not decay else REGULARIZATION_TYPES.index(regularization) + 1
+        inv = float(dt(1) / dt(iter_size)) if iter_size > 1 else 1.0
+        _fused("prepare_gradient")(w, scalar_arg(scale), inv, float(decay), reg, g_out)
+        return
     xp.multiply(g, scale.astype(g_out.dtype, copy=False), out=g_out)
     if iter_size > 1:
         g_out *= dt(1) / dt(iter_size)
@@ -135,6 +178,9 @@ def sgd_update(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out: Arr
                lr_mult: float, momentum: float) -> None:
     """h = momentum * h + local_rate * g; w -= h."""
     xp = get_array_module(g, w, h)
+    if xp is not np:
+        _update("sgd", g, lr, (w, h), (w_out, h_out), lr_mult, momentum)
+        return
     t = xp.multiply(g, _local_rate(lr, lr_mult, w.dtype))
     xp.multiply(h, w.dtype.type(momentum), out=h_out)
     h_out += t
@@ -145,6 +191,9 @@ def nesterov_update(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out
                     lr_mult: float, momentum: float) -> None:
     """h' = momentum * h + local_rate * g; w -= (1 + momentum) * h' - momentum * h."""
     xp = get_array_module(g, w, h)
+    if xp is not np:
+        _update("nesterov", g, lr, (w, h), (w_out, h_out), lr_mult, momentum)
+        return
     m = w.dtype.type(momentum)
     back = xp.multiply(h, -m)  # read before h_out (possibly h itself) is written
     t = xp.multiply(g, _local_rate(lr, lr_mult, w.dtype))
@@ -159,6 +208,9 @@ def adagrad_update(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out:
                    lr_mult: float, delta: float) -> None:
     """h += g^2; w -= local_rate * g / (sqrt(h) + delta)."""
     xp = get_array_module(g, w, h)
+    if xp is not np:
+        _update("adagrad", g, lr, (w, h), (w_out, h_out), lr_mult, delta)
+        return
     t = xp.multiply(g, g)
     xp.add(h, t, out=h_out)
     xp.sqrt(h_out, out=t)
@@ -172,6 +224,9 @@ def rmsprop_update(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out:
                    lr_mult: float, rms_decay: float, delta: float) -> None:
     """h = rms_decay * h + (1 - rms_decay) * g^2; w -= local_rate * g / (sqrt(h) + delta)."""
     xp = get_array_module(g, w, h)
+    if xp is not np:
+        _update("rmsprop", g, lr, (w, h), (w_out, h_out), lr_mult, rms_decay, delta)
+        return
     d = w.dtype.type(rms_decay)
     t = xp.multiply(g, g)
     t *= w.dtype.type(1) - d
@@ -191,6 +246,10 @@ def adadelta_update(g: Array, lr: Array, w: Array, h: Array, h2: Array, w_out: A
     h = m h + (1-m) g^2;  u = g sqrt((h2 + delta) / (h + delta));
     h2 = m h2 + (1-m) u^2;  w -= local_rate * u."""
     xp = get_array_module(g, w, h, h2)
+    if xp is not np:
+        _update("adadelta", g, lr, (w, h, h2), (w_out, h_out, h2_out), lr_mult, momentum,
+                delta)
+        return
     dt = w.dtype.type
     m, one_m, eps = dt(momentum), dt(1) - dt(momentum), dt(delta)
     u = xp.multiply(g, g)
@@ -217,6 +276,10 @@ def adam_update(g: Array, lr: Array, it: Array, w: Array, m: Array, v: Array, w_
     w -= local_rate * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + delta),  t = it + 1.
     Caffe adds ``delta`` to the uncorrected sqrt(v) and folds the correction into the rate."""
     xp = get_array_module(g, w, m, v)
+    if xp is not np:
+        _update("adam", g, lr, (w, m, v), (w_out, m_out, v_out), scalar_arg(it), lr_mult,
+                beta1, beta2, delta)
+        return
     dt = w.dtype.type
     b1, b2 = dt(beta1), dt(beta2)
     # Caffe evaluates the correction in double from the Dtype betas (std::pow(float, int)).
@@ -235,6 +298,124 @@ def adam_update(g: Array, lr: Array, it: Array, w: Array, m: Array, v: Array, w_
     xp.divide(m_out, tmp, out=tmp)
     tmp *= step
     xp.subtract(w, tmp, out=w_out)
+
+
+# -- the fused GPU kernels --------------------------------------------------------------------
+# (inputs, outputs, body) of each cupy.ElementwiseKernel. Outputs are read before they are
+# written (the parameter and its histories are updated in place); every line is one operation
+# of the numpy path above, in the same order and the same dtype T. ``rate`` is the local rate
+# lr * lr_mult rounded to T, as _local_rate does.
+_RATE = "T rate = (T)lr * (T)lr_mult;\n"
+FUSED: dict[str, tuple[str, str, str]] = {
+    "prepare_gradient": (
+        "T w, float64 scale, float64 inv_iter, float64 decay, int32 reg", "T g", """
+T v = g * (T)scale;
+if (inv_iter != 1.0) v = v * (T)inv_iter;
+if (reg == 1) {
+  v = v + w * (T)decay;
+} else if (reg == 2) {
+  T s = w > (T)0 ? (T)1 : (w < (T)0 ? (T)-1 : (w == (T)0 ? (T)0 : w));
+  v = v + s * (T)decay;
+}
+g = v;
+"""),
+    "sgd": ("T g, float64 lr, float64 lr_mult, float64 momentum", "T w, T h", _RATE + """
+T t = g * rate;
+h = h * (T)momentum + t;
+w = w - h;
+"""),
+    "nesterov": ("T g, float64 lr, float64 lr_mult, float64 momentum", "T w, T h", _RATE + """
+T m = (T)momentum;
+T back = h * (-m);
+T t = g * rate;
+T hn = h * m + t;
+h = hn;
+t = hn * ((T)1 + m) + back;
+w = w - t;
+"""),
+    "adagrad": ("T g, float64 lr, float64 lr_mult, float64 delta", "T w, T h", _RATE + """
+T t = g * g;
+T hn = h + t;
+h = hn;
+t = sqrt(hn) + (T)delta;
+t = g / t;
+t = t * rate;
+w = w - t;
+"""),
+    "rmsprop": ("T g, float64 lr, float64 lr_mult, float64 rms_decay, float64 delta",
+                "T w, T h", _RATE + """
+T d = (T)rms_decay;
+T t = g * g;
+t = t * ((T)1 - d);
+T hn = h * d + t;
+h = hn;
+t = sqrt(hn) + (T)delta;
+t = g / t;
+t = t * rate;
+w = w - t;
+"""),
+    "adadelta": ("T g, float64 lr, float64 lr_mult, float64 momentum, float64 delta",
+                 "T w, T h, T h2", _RATE + """
+T m = (T)momentum;
+T one_m = (T)1 - m;
+T eps = (T)delta;
+T u = g * g;
+u = u * one_m;
+T hn = h * m + u;
+h = hn;
+u = h2 + eps;
+T t = hn + eps;
+u = u / t;
+u = sqrt(u);
+u = u * g;
+t = u * u;
+t = t * one_m;
+h2 = h2 * m + t;
+u = u * rate;
+w = w - u;
+"""),
+    # Caffe evaluates the bias correction in double from the T betas, as the numpy path does.
+    "adam": ("T g, float64 lr, float64 it, float64 lr_mult, float64 beta1, float64 beta2, "
+             "float64 delta", "T w, T h, T h2", _RATE + """
+T b1 = (T)beta1;
+T b2 = (T)beta2;
+double tt = it + 1.0;
+double corr = sqrt(1.0 - pow((double)b2, tt)) / (1.0 - pow((double)b1, tt));
+T step = (T)((double)rate * corr);
+T t = g * ((T)1 - b1);
+T mn = h * b1 + t;
+h = mn;
+t = g * g;
+t = t * ((T)1 - b2);
+T vn = h2 * b2 + t;
+h2 = vn;
+t = sqrt(vn) + (T)delta;
+t = mn / t;
+t = t * step;
+w = w - t;
+"""),
+}
+
+
+def _fused(name: str) -> Any:
+    return elementwise(name, *FUSED[name])
+
+
+def _prime(src: Array, dst: Array) -> None:
+    """The fused kernels update their outputs in place: an output that is not its input
+    first gets the input's values."""
+    if dst is not src:
+        dst[...] = src
+
+
+def _update(name: str, g: Array, lr: Array, state: tuple, state_out: tuple,
+            *scalars: Any) -> None:
+    """One fused update on the GPU: ``state`` (w and its histories) into ``state_out``.
+    Adam's ``it`` comes first among ``scalars``, already a kernel argument."""
+    for a, b in zip(state, state_out, strict=True):
+        _prime(a, b)
+    args = [s if type(s).__module__.startswith("cupy") else float(s) for s in scalars]
+    _fused(name)(g, scalar_arg(lr), *args, *state_out)
 
 
 SOLVERS: dict[str, tuple[Callable[..., None], int]] = {
