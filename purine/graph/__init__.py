@@ -208,31 +208,37 @@ class Graph:
         """Program order is a topological order: every derived edge points backwards."""
         return list(self.ops if ops is None else ops)
 
-    def dependencies(self, ops: Sequence[Op] | None = None) -> dict[Op, list[Op]]:
+    def dependencies(self, ops: Sequence[Op] | None = None,
+                     storage: Mapping[Blob, Any] | None = None) -> dict[Op, list[Op]]:
         """For each op, the earlier ops it must wait for: the last writer of each input
         (read after write), the last writer of each output (write after write), and every
-        reader of an output's current value (write after read)."""
+        reader of an output's current value (write after read). ``storage`` maps a blob to
+        the key of the memory it lives in (a blob absent from it is its own key): the
+        hazards are those of the keys, so blobs sharing memory are ordered like one blob."""
         ops = self.ops if ops is None else ops
-        last_writer: dict[Blob, Op] = {}
-        readers: dict[Blob, list[Op]] = defaultdict(list)
+        storage = storage or {}
+        last_writer: dict[Any, Op] = {}
+        readers: dict[Any, list[Op]] = defaultdict(list)
         deps: dict[Op, list[Op]] = {}
         for o in ops:
+            ins = [storage.get(b, b) for b in o.inputs]
+            outs = [storage.get(b, b) for b in o.outputs]
             d: dict[Op, None] = {}
-            for b in o.inputs:
-                if b in last_writer:
-                    d[last_writer[b]] = None
-            for b in o.outputs:
-                if b in last_writer:
-                    d[last_writer[b]] = None
-                for r in readers[b]:
+            for k in ins:
+                if k in last_writer:
+                    d[last_writer[k]] = None
+            for k in outs:
+                if k in last_writer:
+                    d[last_writer[k]] = None
+                for r in readers[k]:
                     d[r] = None
             d.pop(o, None)
             deps[o] = list(d)
-            for b in o.inputs:
-                readers[b].append(o)
-            for b in o.outputs:
-                last_writer[b] = o
-                readers[b] = []
+            for k in ins:
+                readers[k].append(o)
+            for k in outs:
+                last_writer[k] = o
+                readers[k] = []
         return deps
 
     def validate(self) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 from purine.backend import activate, allocate, record, stream, wait
 from purine.errors import PurineError
 from purine.graph import Blob, Graph, Location, Op
+from purine.runtime.memory import Buffer, MemoryPlan, blob_nbytes
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,9 @@ class TraceEvent:
 class _Plan:
     """Dependency counts and dependents of one op sequence, derived once and reused."""
 
-    def __init__(self, graph: Graph, ops: Sequence[Op]):
+    def __init__(self, graph: Graph, ops: Sequence[Op], storage: dict | None = None):
         self.ops = tuple(ops)
-        deps = graph.dependencies(self.ops)
+        deps = graph.dependencies(self.ops, storage)
         self.count = {o: len(d) for o, d in deps.items()}
         self.dependents: dict[Op, list[Op]] = {o: [] for o in self.ops}
         for o, d in deps.items():
@@ -85,7 +86,8 @@ class Dispatcher:
     """Runs ops of ``graph``; ``run(ops)`` runs a sub-sequence (e.g. forward only), whose
     inputs written by no op in it are taken as ready."""
 
-    def __init__(self, graph: Graph, *, profile: bool = False):
+    def __init__(self, graph: Graph, *, profile: bool = False,
+                 memory_plan: MemoryPlan | None = None):
         self.graph = graph
         self.arrays: dict[Blob, Any] = {}
         self.profile = profile
@@ -93,6 +95,12 @@ class Dispatcher:
         self._plans: dict[tuple[Op, ...], _Plan] = {}
         self._workers: dict[Location, _Worker] = {}
         self._bound: dict[Op, tuple[list[Any], list[Any]]] = {}
+        self.memory_plan: MemoryPlan | None = None
+        self._storage: dict[Blob, Buffer] = {}  # the plan's blob -> buffer key
+        self._buffers: dict[Buffer, Any] = {}
+        self.external: set[Blob] = set()  # blobs bound to storage from outside
+        if memory_plan is not None:
+            self.set_memory_plan(memory_plan)
         self._events: dict[Op, Any] = {}  # the last event each recording op recorded
         self._fence: dict[Location, Any] = {}  # per GPU stream: the end of its last run
         self._seen_streams: set[Location] = set()
@@ -101,16 +109,46 @@ class Dispatcher:
     def array(self, blob: Blob) -> Any:
         a = self.arrays.get(blob)
         if a is None:
-            a = self.arrays[blob] = allocate(blob.location, blob.shape, blob.dtype)
+            key = self._storage.get(blob)
+            if key is None:
+                a = allocate(blob.location, blob.shape, blob.dtype)
+            else:  # a view of the buffer the plan shares
+                buf = self._buffers.get(key)
+                if buf is None:
+                    buf = self._buffers[key] = allocate(
+                        key.location, (self.memory_plan.buffer_bytes[key],), "uint8")
+                a = buf[:blob_nbytes(blob)].view(blob.dtype).reshape(blob.shape)
+            self.arrays[blob] = a
         return a
+
+    def set_memory_plan(self, plan: MemoryPlan | None) -> None:
+        """Let the blobs of ``plan`` (purine.runtime.memory) share buffers; None: every blob
+        its own array again. Their arrays are re-made on use, and the dependencies are
+        derived again over the storage the blobs share."""
+        storage = dict(plan.storage) if plan is not None else {}
+        bound = [b.name for b in storage if b in self.external]
+        if bound:
+            raise PurineError(f"blobs bound to outside storage cannot share buffers: "
+                              f"{', '.join(bound)}")
+        touched = set(storage) | set(self._storage)
+        for b in touched:
+            self.arrays.pop(b, None)
+        self._bound = {o: a for o, a in self._bound.items()
+                       if touched.isdisjoint(o.inputs) and touched.isdisjoint(o.outputs)}
+        self.memory_plan, self._storage, self._buffers = plan, storage, {}
+        self._plans.clear()
 
     def bind(self, blob: Blob, array: Any) -> None:
         """Give ``blob`` existing storage (e.g. a parameter another net owns)."""
         if tuple(array.shape) != blob.shape:
             raise PurineError(f"cannot bind blob '{blob.name}' {blob.shape} to an array of "
                               f"shape {tuple(array.shape)}")
+        if blob in self._storage:
+            raise PurineError(f"cannot bind blob '{blob.name}': the memory plan shares its "
+                              "buffer with other blobs")
         self.release(blob)
         self.arrays[blob] = array
+        self.external.add(blob)
 
     def _args(self, op: Op) -> tuple[list[Any], list[Any]]:
         args = self._bound.get(op)
@@ -122,6 +160,7 @@ class Dispatcher:
     def release(self, blob: Blob) -> None:
         """Forget a blob's storage (e.g. after its shape changed); re-allocated on use."""
         self.arrays.pop(blob, None)
+        self.external.discard(blob)
         self._bound = {o: a for o, a in self._bound.items()
                        if blob not in o.inputs and blob not in o.outputs}
 
@@ -148,7 +187,7 @@ class Dispatcher:
         key = tuple(self.graph.ops if ops is None else ops)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _Plan(self.graph, key)
+            plan = self._plans[key] = _Plan(self.graph, key, self._storage)
         return plan
 
     def run_sequential(self, ops: Sequence[Op] | None = None) -> None:

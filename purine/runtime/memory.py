@@ -1,0 +1,103 @@
+"""The memory planner: blobs whose lifetimes in an iteration never overlap share one buffer.
+A plan maps each shared blob to a buffer key; the dispatcher gives the blob a view of that
+buffer and orders the ops of blobs sharing a buffer as if they were one blob."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from purine.graph import Blob, Graph, Location, Op
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """The key of one shared buffer: its memory space (as a location on thread 0) and a
+    number unique within the plan."""
+
+    location: Location
+    index: int
+
+    def __str__(self) -> str:
+        return f"buffer{self.index}@{self.location}"
+
+
+@dataclass
+class MemoryPlan:
+    storage: dict[Blob, Buffer] = field(default_factory=dict)  # planned blob -> its buffer
+    buffer_bytes: dict[Buffer, int] = field(default_factory=dict)
+    blob_bytes: int = 0  # what the planned blobs take with a buffer each
+
+    @property
+    def planned_bytes(self) -> int:
+        return sum(self.buffer_bytes.values())
+
+    def summary(self) -> str:
+        return (f"memory plan: {len(self.storage)} blobs in {len(self.buffer_bytes)} buffers, "
+                f"{self.planned_bytes / 1e6:.1f} MB instead of {self.blob_bytes / 1e6:.1f} MB")
+
+
+def blob_nbytes(blob: Blob) -> int:
+    return blob.count * np.dtype(blob.dtype).itemsize
+
+
+def plan_memory(graph: Graph, ops: Sequence[Op] | None, keep: Iterable[Blob],
+                loops: Sequence[tuple[int, int]] = ()) -> MemoryPlan:
+    """Share buffers between the blobs of ``ops`` (one iteration in program order; None:
+    all of ``graph``'s ops) whose live intervals [first write, last access] do not overlap.
+    A blob shares only if it is not in ``keep`` and its first access writes it without
+    reading it, so no value flows into it from a previous iteration or from outside.
+    ``loops`` are disjoint slices [start, end) of ``ops`` that the caller runs several times
+    in a row (the passes of ``iter_size``): a blob written before a loop and read in it is
+    read by every repetition, so it lives to the loop's end. (A blob first written in a
+    loop is written again by each repetition before any read.)"""
+    ops = graph.ops if ops is None else ops
+    keep = set(keep)
+    first: dict[Blob, int] = {}
+    last: dict[Blob, int] = {}
+    fresh: set[Blob] = set()  # first access writes without reading
+    for i, o in enumerate(ops):
+        for b in o.inputs + o.outputs:
+            if b not in first:
+                first[b] = i
+                if b not in o.inputs:
+                    fresh.add(b)
+            last[b] = i
+    intervals: dict[Blob, tuple[int, int]] = {}
+    for b in first:  # first-access order: program order, deterministic
+        if b in keep or b not in fresh or blob_nbytes(b) == 0:
+            continue
+        start, end = first[b], last[b]
+        for ls, le in loops:
+            if start < ls <= end < le:
+                end = le - 1
+        intervals[b] = (start, end)
+
+    plan = MemoryPlan()
+    free: dict[tuple, list[Buffer]] = {}    # memory space -> buffers free now
+    live: list[tuple[int, Buffer]] = []     # (end, buffer) of the blobs holding one
+    for b in sorted(intervals, key=lambda b: intervals[b][0]):  # stable: ties by first access
+        start, end = intervals[b]
+        for e, buf in [x for x in live if x[0] < start]:
+            live.remove((e, buf))
+            free.setdefault(buf.location.memory, []).append(buf)
+        need = blob_nbytes(b)
+        plan.blob_bytes += need
+        pool = free.setdefault(b.location.memory, [])
+        fits = [buf for buf in pool if plan.buffer_bytes[buf] >= need]
+        if fits:  # the smallest buffer that is big enough
+            buf = min(fits, key=lambda x: (plan.buffer_bytes[x], x.index))
+        elif pool:  # else the largest, grown
+            buf = max(pool, key=lambda x: (plan.buffer_bytes[x], -x.index))
+            plan.buffer_bytes[buf] = need
+        else:
+            host, device, index = b.location.memory
+            buf = Buffer(Location(device, index, 0, host), len(plan.buffer_bytes))
+            plan.buffer_bytes[buf] = need
+        if buf in pool:
+            pool.remove(buf)
+        plan.storage[b] = buf
+        live.append((end, buf))
+    return plan
