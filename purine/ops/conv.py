@@ -6,14 +6,20 @@ memory.
 
 Blobs are (num, channels, height, width) as the geometry says; a 1-d convolution is the
 2-d one with height 1, and axes before the channel axis are folded into ``num``.
+
+On a GPU: our im2col / col2im kernels into one (C*kh*kw, n*P) column matrix per chunk of
+samples and one cuBLAS GEMM per group (see the GPU section below).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from purine.backend import get_array_module
+import numpy as np
+
+from purine.backend import cuda, get_array_module
 
 Array = Any
 
@@ -332,6 +338,9 @@ def conv_forward(x: Array, w: Array, *rest: Array, geom: ConvGeometry) -> None:
     *b, y = rest
     g = geom
     xp = get_array_module(x)
+    if xp is not np:
+        _gpu_forward(xp, cuda.kernel, x, w, b[0] if b else None, y, g)
+        return
     m, ng = g.num_output, g.group
     mg = m // ng
     w2 = w.reshape(ng, mg, -1)
@@ -412,6 +421,9 @@ def conv_backward_data(dy: Array, w: Array, dx: Array, *, geom: ConvGeometry) ->
     """dx = w^T * dy: the GEMM gives the columns, col2im sums them back."""
     g = geom
     xp = get_array_module(dy)
+    if xp is not np:
+        _gpu_backward_data(xp, cuda.kernel, dy, w, dx, g)
+        return
     ng = g.group
     mg = g.num_output // ng
     w2 = w.reshape(ng, mg, -1)
@@ -441,6 +453,9 @@ def conv_backward_weight(*arrays: Array, geom: ConvGeometry) -> None:
     *pairs, dw = arrays
     g = geom
     xp = get_array_module(dw)
+    if xp is not np:
+        _gpu_backward_weight(xp, cuda.kernel, pairs, dw, g)
+        return
     m, ng = g.num_output, g.group
     mg = m // ng
     ws = _Workspace(xp, g, dw.dtype)
@@ -520,3 +535,135 @@ def deconv_forward(x: Array, w: Array, *rest: Array, geom: ConvGeometry) -> None
     if b:
         y3 = y.reshape(geom.num, geom.channels, -1)
         y3 += b[0].reshape(1, geom.channels, 1)
+
+
+# -- GPU ------------------------------------------------------------------------------------
+# The batch is cut into chunks of whole samples whose column matrix (C*kh*kw, n*P) holds at
+# most GPU_COL_BUDGET elements; our im2col kernel fills it, one cuBLAS GEMM per group reads
+# it, and one copy moves the (outputs, n, P) product into NCHW. A chunk of one sample needs
+# no copy: its GEMM writes the NCHW output directly. 1x1 stride-1 unpadded convolutions use
+# the input as its own columns (a batched GEMM). The array logic below is written over
+# ``xp`` with the kernels passed in (``kernels(family, name, dtype) -> launch``), so the
+# tests run this very code on numpy arrays with the CUDA sources emulated on the CPU.
+GPU_COL_BUDGET = 1 << 26
+
+Kernels = Callable[[str, str, Any], Callable[..., None]]
+
+
+def _gpu_chunks(g: ConvGeometry) -> list[slice]:
+    per_sample = max(g.channels * g.kernel_h * g.kernel_w * g.out_h * g.out_w, 1)
+    n = max(1, min(g.num, GPU_COL_BUDGET // per_sample))
+    return [slice(i, min(i + n, g.num)) for i in range(0, g.num, n)]
+
+
+def _gpu_geometry(g: ConvGeometry) -> tuple[int, ...]:
+    return (g.channels, g.height, g.width, g.kernel_h, g.kernel_w, g.stride_h, g.stride_w,
+            g.pad_h, g.pad_w, g.dilation_h, g.dilation_w, g.out_h, g.out_w)
+
+
+def _gpu_matrix(xp: Any, a3: Array, buf: Array) -> Array:
+    """The chunk ``a3`` (n, rows, P) as a (rows, n*P) matrix: a copy into ``buf``, or ``a3``
+    itself for one sample."""
+    n, rows, p = a3.shape
+    if n == 1:
+        return a3[0]
+    t = buf[:rows * n * p].reshape(rows, n, p)
+    t[...] = a3.transpose(1, 0, 2)
+    return t.reshape(rows, n * p)
+
+
+def _gpu_forward(xp: Any, kernels: Kernels, x: Array, w: Array, b: Array | None, y: Array,
+                 g: ConvGeometry) -> None:
+    m, ng = g.num_output, g.group
+    mg, kg, p = m // ng, g.kernel_dim, g.out_h * g.out_w
+    w2 = w.reshape(ng, mg, kg)
+    y3 = y.reshape(g.num, m, p)
+    if g.is_1x1:
+        x3 = x.reshape(g.num, g.channels, p)
+        for k in range(ng):
+            xp.matmul(w2[k], x3[:, k * kg:(k + 1) * kg], out=y3[:, k * mg:(k + 1) * mg])
+        if b is not None:
+            y3 += b.reshape(1, m, 1)
+        return
+    im2col = kernels("im2col", "im2col", x.dtype)
+    x4 = _input(x, g)
+    chunks = _gpu_chunks(g)
+    n_max = chunks[0].stop - chunks[0].start if chunks else 0
+    col_buf = xp.empty(ng * kg * n_max * p, dtype=x.dtype)
+    out_buf = xp.empty(m * n_max * p, dtype=x.dtype) if n_max > 1 else None
+    for s in chunks:
+        n = s.stop - s.start
+        col = col_buf[:ng * kg * n * p].reshape(ng * kg, n * p)
+        im2col(col.size, x4[s], col, n, *_gpu_geometry(g))
+        out = y3[s.start] if n == 1 else out_buf[:m * n * p].reshape(m, n * p)
+        for k in range(ng):
+            xp.matmul(w2[k], col[k * kg:(k + 1) * kg], out=out[k * mg:(k + 1) * mg])
+        if n == 1:
+            if b is not None:
+                out += b.reshape(m, 1)
+        elif b is None:
+            y3[s] = out.reshape(m, n, p).transpose(1, 0, 2)
+        else:
+            xp.add(out.reshape(m, n, p).transpose(1, 0, 2), b.reshape(1, m, 1), out=y3[s])
+
+
+def _gpu_backward_data(xp: Any, kernels: Kernels, dy: Array, w: Array, dx: Array,
+                       g: ConvGeometry) -> None:
+    m, ng = g.num_output, g.group
+    mg, kg, p = m // ng, g.kernel_dim, g.out_h * g.out_w
+    w2 = w.reshape(ng, mg, kg)
+    dy3 = dy.reshape(g.num, m, p)
+    if g.is_1x1:
+        dx3 = dx.reshape(g.num, g.channels, p)
+        for k in range(ng):
+            xp.matmul(w2[k].T, dy3[:, k * mg:(k + 1) * mg], out=dx3[:, k * kg:(k + 1) * kg])
+        return
+    col2im = kernels("im2col", "col2im", dy.dtype)
+    dx4 = _input(dx, g)
+    chunks = _gpu_chunks(g)
+    n_max = chunks[0].stop - chunks[0].start if chunks else 0
+    col_buf = xp.empty(ng * kg * n_max * p, dtype=dy.dtype)
+    dy_buf = xp.empty(m * n_max * p, dtype=dy.dtype) if n_max > 1 else None
+    for s in chunks:
+        n = s.stop - s.start
+        dyt = _gpu_matrix(xp, dy3[s], dy_buf)
+        col = col_buf[:ng * kg * n * p].reshape(ng * kg, n * p)
+        for k in range(ng):
+            xp.matmul(w2[k].T, dyt[k * mg:(k + 1) * mg], out=col[k * kg:(k + 1) * kg])
+        col2im(dx4[s].size, col, dx4[s], n, *_gpu_geometry(g))
+
+
+def _gpu_backward_weight(xp: Any, kernels: Kernels, pairs: list[Array], dw: Array,
+                         g: ConvGeometry) -> None:
+    m, ng = g.num_output, g.group
+    mg, kg, p = m // ng, g.kernel_dim, g.out_h * g.out_w
+    dw2 = dw.reshape(ng, mg, kg)
+    chunks = _gpu_chunks(g)
+    n_max = chunks[0].stop - chunks[0].start if chunks else 0
+    im2col = None if g.is_1x1 else kernels("im2col", "im2col", dw.dtype)
+    col_buf = xp.empty(ng * kg * n_max * p, dtype=dw.dtype)
+    dy_buf = xp.empty(m * n_max * p, dtype=dw.dtype) if n_max > 1 else None
+    part = None  # each later chunk's product, added to dw (cuBLAS would need beta = 1)
+    first = True
+    for i in range(0, len(pairs), 2):
+        x3 = pairs[i].reshape(g.num, g.channels, g.height * g.width)
+        dy3 = pairs[i + 1].reshape(g.num, m, p)
+        x4 = _input(pairs[i], g)
+        for s in chunks:
+            n = s.stop - s.start
+            if im2col is None:  # 1x1: the columns are the input, channels first
+                col = _gpu_matrix(xp, x3[s], col_buf)
+            else:
+                col = col_buf[:ng * kg * n * p].reshape(ng * kg, n * p)
+                im2col(col.size, x4[s], col, n, *_gpu_geometry(g))
+            dyt = _gpu_matrix(xp, dy3[s], dy_buf)
+            if not first and part is None:
+                part = xp.empty_like(dw2)
+            target = dw2 if first else part
+            for k in range(ng):
+                xp.matmul(dyt[k * mg:(k + 1) * mg], col[k * kg:(k + 1) * kg].T, out=target[k])
+            if not first:
+                dw2 += part
+            first = False
+    if first:  # an empty batch
+        dw.fill(0)

@@ -5,13 +5,17 @@
 ACROSS_CHANNELS sums ``size`` neighbouring channels (shift k, norm size); WITHIN_CHANNEL is
 Caffe's composition x * (1 + alpha * avepool(x^2))^-beta whose pool is size x size with pad
 (size-1)/2 and stride 1, so every window divides by size^2 (shift 1, norm size^2).
+On a GPU, ACROSS_CHANNELS runs our lrn kernels (one thread per element, the same
+arithmetic in the same order); WITHIN_CHANNEL runs the array code below on cupy.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from purine.backend import get_array_module
+import numpy as np
+
+from purine.backend import cuda, get_array_module
 
 Array = Any
 
@@ -76,6 +80,10 @@ def lrn_forward(x: Array, y: Array, scale: Array, *, size: int, alpha: float, be
                 shift: float, within: bool) -> None:
     """y = x * scale^-beta, keeping ``scale`` (Caffe's scale_) for the backward pass."""
     xp = get_array_module(x)
+    if xp is not np and not within:
+        _gpu_forward(cuda.kernel, x, y, scale, size=size, alpha=alpha, beta=beta,
+                     shift=shift)
+        return
     sq = xp.square(x)
     _window_sum(xp, sq, scale, size=size, within=within)
     scale *= alpha / _norm(size, within)
@@ -88,6 +96,9 @@ def lrn_backward(x: Array, y: Array, scale: Array, dy: Array, dx: Array, *, size
     """Caffe's formula: dx = dy * scale^-beta
     - 2 alpha beta / norm * x * window_sum(dy * y / scale)."""
     xp = get_array_module(x)
+    if xp is not np and not within:
+        _gpu_backward(cuda.kernel, x, y, scale, dy, dx, size=size, alpha=alpha, beta=beta)
+        return
     ratio = xp.multiply(dy, y)
     ratio /= scale
     acc = xp.empty_like(ratio)
@@ -96,3 +107,28 @@ def lrn_backward(x: Array, y: Array, scale: Array, dy: Array, dx: Array, *, size
     acc *= 2.0 * alpha * beta / _norm(size, within)
     xp.multiply(dy, _power(xp, scale, -beta, ratio), out=dx)
     dx -= acc
+
+
+# -- GPU (ACROSS_CHANNELS); ``kernels(family, name, dtype) -> launch`` is passed in so that
+# the tests run these wrappers with the CUDA sources emulated on the CPU.
+
+def _channels_plane(x: Array) -> tuple[int, int]:
+    plane = 1
+    for d in x.shape[2:]:
+        plane *= d
+    return x.shape[1], plane
+
+
+def _gpu_forward(kernels: Any, x: Array, y: Array, scale: Array, *, size: int, alpha: float,
+                 beta: float, shift: float) -> None:
+    channels, plane = _channels_plane(x)
+    kernels("lrn", "lrn_across_forward", x.dtype)(
+        x.size, x, y, scale, channels, plane, size, alpha / _norm(size, False), shift, -beta)
+
+
+def _gpu_backward(kernels: Any, x: Array, y: Array, scale: Array, dy: Array, dx: Array, *,
+                  size: int, alpha: float, beta: float) -> None:
+    channels, plane = _channels_plane(x)
+    kernels("lrn", "lrn_across_backward", x.dtype)(
+        x.size, x, y, scale, dy, dx, channels, plane, size, -beta,
+        2.0 * alpha * beta / _norm(size, False))

@@ -1,6 +1,7 @@
 """Pooling kernels (Caffe's Pooling layer: MAX with its argmax mask, AVE), vectorized over
 everything but the kernel offsets. Windows follow Caffe: MAX ignores padding, AVE divides by
 the window clipped to the padded image (H + pad), counting padding but nothing beyond it.
+On a GPU our pooling kernels compute the same, one thread per element.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import get_array_module, host_parallel
+from purine.backend import cuda, get_array_module, host_parallel
 
 Array = Any
 
@@ -101,6 +102,9 @@ def max_pool_forward(x: Array, y: Array, mask: Array, *, geom: PoolGeometry) -> 
     in scan order on ties), as Caffe's max_idx_ or its optional second top (float)."""
     g = geom
     xp = get_array_module(x)
+    if xp is not np:
+        _gpu_max_pool_forward(xp, cuda.kernel, x, y, mask, g)
+        return
     x4, y4, m4 = _planes(x, g, False), _planes(y, g, True), _planes(mask, g, True)
     host_parallel(lambda s: _max_pool_forward(xp, x4[s], y4[s], m4[s],
                                               replace(g, num=s.stop - s.start)),
@@ -146,6 +150,9 @@ def max_pool_backward(dy: Array, mask: Array, dx: Array, *, geom: PoolGeometry) 
     """dx = dy scattered to the argmax of each window; overlapping windows add up."""
     g = geom
     xp = get_array_module(dy)
+    if xp is not np:
+        _gpu_max_pool_backward(xp, cuda.kernel, dy, mask, dx, g)
+        return
     dy4, m4, dx4 = _planes(dy, g, True), _planes(mask, g, True), _planes(dx, g, False)
     host_parallel(lambda s: _max_pool_backward(xp, dy4[s], m4[s], dx4[s],
                                                replace(g, num=s.stop - s.start)),
@@ -213,6 +220,9 @@ def ave_pool_forward(x: Array, y: Array, *, geom: PoolGeometry) -> None:
     """y = Bh x Bw^T per plane: two GEMMs, no padded copy (the matrices clip the windows)."""
     g = geom
     xp = get_array_module(x)
+    if xp is not np:
+        _gpu_ave_pool(cuda.kernel, "ave_pool_forward", x, y, g)
+        return
     bh, bw = _ave_matrices(xp, g, x.dtype)
     planes = g.num * g.channels
     rows = xp.dot(x.reshape(planes * g.height, g.width), bw.T)
@@ -229,8 +239,50 @@ def ave_pool_backward(dy: Array, dx: Array, *, geom: PoolGeometry) -> None:
     """dx = Bh^T dy Bw per plane: each window's dy / pool size over its image part."""
     g = geom
     xp = get_array_module(dy)
+    if xp is not np:
+        _gpu_ave_pool(cuda.kernel, "ave_pool_backward", dy, dx, g)
+        return
     bh, bw = _ave_matrices(xp, g, dy.dtype)
     planes = g.num * g.channels
     cols = xp.matmul(bh.T, dy.reshape(planes, g.pooled_h, g.pooled_w))
     xp.dot(cols.reshape(planes * g.height, g.pooled_w), bw,
            out=dx.reshape(planes * g.height, g.width))
+
+
+# -- GPU: one thread per output element (forward) or input element (backward, a gather over
+# the windows that cover it). ``kernels(family, name, dtype) -> launch`` is passed in so
+# that the tests run these wrappers with the CUDA sources emulated on the CPU.
+
+def _gpu_geometry(g: PoolGeometry) -> tuple[int, ...]:
+    return (g.height, g.width, g.pooled_h, g.pooled_w, g.kernel_h, g.kernel_w, g.stride_h,
+            g.stride_w, g.pad_h, g.pad_w)
+
+
+def _gpu_mask(mask: Array, dtype: Any) -> tuple[str, Array]:
+    """The kernel-name suffix for ``mask``'s type and the array the kernel uses: the mask
+    itself when it is int32 or the data type, else an int32 copy."""
+    if mask.dtype == np.int32:
+        return "", mask
+    if mask.dtype == dtype:
+        return "_tmask", mask
+    return "", mask.astype(np.int32)
+
+
+def _gpu_max_pool_forward(xp: Any, kernels: Any, x: Array, y: Array, mask: Array,
+                          g: PoolGeometry) -> None:
+    suffix, m = _gpu_mask(mask, x.dtype)
+    kernels("pooling", "max_pool_forward" + suffix, x.dtype)(y.size, x, y, m,
+                                                             *_gpu_geometry(g))
+    if m is not mask:
+        mask[...] = m.reshape(mask.shape)
+
+
+def _gpu_max_pool_backward(xp: Any, kernels: Any, dy: Array, mask: Array, dx: Array,
+                           g: PoolGeometry) -> None:
+    suffix, m = _gpu_mask(mask, dy.dtype)
+    kernels("pooling", "max_pool_backward" + suffix, dy.dtype)(dx.size, dy, m, dx,
+                                                               *_gpu_geometry(g))
+
+
+def _gpu_ave_pool(kernels: Any, name: str, src: Array, dst: Array, g: PoolGeometry) -> None:
+    kernels("pooling", name, src.dtype)(dst.size, src, dst, *_gpu_geometry(g))
