@@ -12,8 +12,22 @@ from typing import Any
 import numpy as np
 
 from purine.backend import RandomStream, get_array_module
+from purine.ops.tensor import elementwise
 
 Array = Any
+
+# Fused GPU kernels (inputs, outputs, body) for the hot elementwise paths: one pass each, and
+# the same roundings, in the same order, as the numpy path's separate operations.
+FUSED: dict[str, tuple[str, str, str]] = {
+    "relu_leaky": ("T x, float64 slope", "T y", "y = x * (x > (T)0 ? (T)1 : (T)slope);"),
+    "relu_backward": ("T x, T dy, float64 slope", "T dx",
+                      "dx = dy * (x > (T)0 ? (T)1 : (T)slope);"),
+    "dropout": ("T x, M mask, float64 scale", "T y", "y = (x * (T)mask) * (T)scale;"),
+}
+
+
+def _fused(name: str) -> Any:
+    return elementwise(name, *FUSED[name])
 
 BNLL_THRESHOLD = 50.0
 """Caffe clamps the BNLL input at this value before exp() in the backward pass."""
@@ -24,6 +38,8 @@ def relu_forward(x: Array, y: Array, *, negative_slope: float = 0.0) -> None:
     xp = get_array_module(x)
     if negative_slope == 0:
         xp.maximum(x, 0, out=y)
+    elif xp is not np:
+        _fused("relu_leaky")(x, float(negative_slope), y)
     else:
         xp.multiply(x, xp.where(x > 0, 1, negative_slope).astype(x.dtype), out=y)
 
@@ -31,7 +47,9 @@ def relu_forward(x: Array, y: Array, *, negative_slope: float = 0.0) -> None:
 def relu_backward(x: Array, dy: Array, dx: Array, *, negative_slope: float = 0.0) -> None:
     """``x`` may be the top (in-place use): its sign is the bottom's sign."""
     xp = get_array_module(x)
-    if negative_slope == 0:
+    if xp is not np:
+        _fused("relu_backward")(x, dy, float(negative_slope), dx)
+    elif negative_slope == 0:
         xp.multiply(dy, x > 0, out=dx)
     else:
         xp.multiply(dy, xp.where(x > 0, 1, negative_slope).astype(dy.dtype), out=dx)
@@ -254,8 +272,18 @@ def dropout_forward(x: Array, y: Array, mask: Array, *, ratio: float,
     """Training-time dropout: mask ~ Bernoulli(1 - ratio), y = x * mask / (1 - ratio).
 
     The mask is drawn from the layer's own host stream at every call (then moved to the
-    array's device), so a net gives the same masks on every device and thread schedule."""
+    array's device), so a net gives the same masks on every device and thread schedule. On a
+    GPU that costs a host-to-device copy of the mask (one byte per element) per call, queued
+    on the op's stream."""
     xp = get_array_module(x)
+    if xp is not np:
+        draw = (rng.next().random(x.shape) < 1.0 - ratio).astype(mask.dtype)
+        if mask.flags.c_contiguous:
+            mask.set(draw, stream=xp.cuda.get_current_stream())
+        else:
+            mask[...] = xp.asarray(draw)
+        _fused("dropout")(x, mask, 1.0 / (1.0 - ratio), y)
+        return
     mask[...] = xp.asarray(rng.next().random(x.shape) < 1.0 - ratio)
     xp.multiply(x, mask, out=y)
     y *= 1.0 / (1.0 - ratio)
@@ -264,5 +292,8 @@ def dropout_forward(x: Array, y: Array, mask: Array, *, ratio: float,
 def dropout_backward(mask: Array, dy: Array, dx: Array, *, ratio: float) -> None:
     """dx = dy * mask / (1 - ratio), through the mask the last forward drew."""
     xp = get_array_module(dy)
+    if xp is not np:
+        _fused("dropout")(dy, mask, 1.0 / (1.0 - ratio), dx)
+        return
     xp.multiply(dy, mask, out=dx)
     dx *= 1.0 / (1.0 - ratio)

@@ -8,6 +8,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from purine.backend import get_array_module
 from purine.errors import PurineError
 
@@ -154,8 +156,10 @@ def _top_k(x: Array, k: int) -> Array:
     if k == 1:
         return (d - 1) - xp.argmax(x[..., ::-1], axis=-1)[..., None]
     # A stable ascending sort keeps equal values in index order; reversed, it is
-    # descending with the larger index first.
-    return xp.argsort(x, axis=-1, kind="stable")[..., ::-1][..., :k]
+    # descending with the larger index first. (CuPy's sort is always stable and takes no
+    # other kind than the default.)
+    kind = "stable" if xp is np else None
+    return xp.argsort(x, axis=-1, kind=kind)[..., ::-1][..., :k]
 
 
 def argmax_forward(x: Array, y: Array, *, axis: int | None, top_k: int,
@@ -217,12 +221,17 @@ def reduction_backward(*arrays: Array, op: str, coeff: float) -> None:
 
 
 # -- Embed ----------------------------------------------------------------------------------
-def _indices(x: Array, input_dim: int, check: bool) -> Array:
+def _indices(x: Array, input_dim: int, check: bool) -> tuple[Array, Array | None]:
     """The indices ``x`` holds as floats, truncated toward zero as Caffe's int cast does;
-    with ``check``, a non-integer or an index outside [0, input_dim) is an error."""
+    with ``check``, a non-integer or an index outside [0, input_dim) is an error. On a GPU,
+    where reading that verdict back would stall the stream, the bad positions come back as a
+    mask instead (their index clamped into range) and the caller writes NaN there."""
     xp = get_array_module(x)
     flat = x.reshape(-1)
     idx = flat.astype(xp.int64)
+    if xp is not np:
+        bad = (idx != flat) | (idx < 0) | (idx >= input_dim)
+        return xp.clip(idx, 0, input_dim - 1), bad
     if check:
         bad = (idx != flat) | (idx < 0) | (idx >= input_dim)
         if bool(bad.any()):
@@ -231,7 +240,7 @@ def _indices(x: Array, input_dim: int, check: bool) -> Array:
                 f"Embed bottom holds {float(flat[pos])!r} at flat position {pos} (of shape "
                 f"{tuple(x.shape)}); it must hold integer indices in [0, {input_dim}), "
                 f"input_dim = {input_dim}")
-    return idx
+    return idx, None
 
 
 def embed_forward(x: Array, w: Array, *rest: Array, input_dim: int) -> None:
@@ -240,15 +249,18 @@ def embed_forward(x: Array, w: Array, *rest: Array, input_dim: int) -> None:
     *b, y = rest
     xp = get_array_module(w)
     y2 = y.reshape(-1, w.shape[1])
-    xp.take(w, _indices(x, input_dim, check=True), axis=0, out=y2)
+    idx, bad = _indices(x, input_dim, check=True)
+    xp.take(w, idx, axis=0, out=y2)
     if b:
         y2 += b[0]
+    if bad is not None:
+        y2[...] = xp.where(bad[:, None], xp.nan, y2)
 
 
 def embed_backward_weight(x: Array, dy: Array, dw: Array, *, input_dim: int) -> None:
     """Each weight row collects the gradients of every position that looked it up."""
     xp = get_array_module(dw)
-    idx = _indices(x, input_dim, check=False)
+    idx, _ = _indices(x, input_dim, check=False)
     dw[...] = 0
     dy2 = dy.reshape(-1, dw.shape[1])
     if xp.__name__ == "numpy":

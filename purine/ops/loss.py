@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from purine.backend import get_array_module
 from purine.errors import LabelError, PurineError
 
@@ -27,14 +29,20 @@ def _split(x: Array, axis: int) -> Array:
 
 
 def _class_labels(xp: Any, label: Array, outer: int, classes: int, inner: int,
-                  ignore_label: int | None) -> tuple[Array, Array]:
-    """The labels as (outer, inner) class indices and the mask of labels that count.
-    Caffe casts a label to int, which truncates toward zero; ignored positions get index 0
-    so that gathers stay in range, and the mask removes them."""
+                  ignore_label: int | None) -> tuple[Array, Array, Array | None]:
+    """The labels as (outer, inner) class indices, the mask of labels that count, and (on a
+    GPU) the mask of labels out of range. Caffe casts a label to int, which truncates toward
+    zero; ignored positions get index 0 so that gathers stay in range, and the mask removes
+    them. On the host a label out of range is an error; on a GPU, reading that verdict back
+    would stall the stream, so such a label counts as ignored and its kernel's result becomes
+    NaN instead (``_poison``)."""
     value = xp.trunc(label.reshape(outer, inner))
     valid = xp.ones(value.shape, dtype=bool) if ignore_label is None else value != ignore_label
     # A NaN label fails both comparisons and is reported as out of range.
     bad = valid & ~((value >= 0) & (value < classes))
+    if xp is not np:
+        valid &= ~bad
+        return xp.where(valid, value, 0).astype(xp.int64), valid, bad
     if bool(bad.any()):
         first = int(bad.reshape(-1).argmax())
         where = tuple(int(i) for i in _unravel(first, label.shape))
@@ -44,7 +52,12 @@ def _class_labels(xp: Any, label: Array, outer: int, classes: int, inner: int,
                          f"{tuple(label.shape)} is outside [0, {classes}){ignore} "
                          f"({int(bad.sum())} bad label(s) in all)")
     index = xp.where(valid, value, 0).astype(xp.int64)
-    return index, valid
+    return index, valid, None
+
+
+def _poison(xp: Any, value: Array, bad: Array | None) -> Array:
+    """``value``, or NaN when any label was out of range (GPU only; the host raises)."""
+    return value if bad is None else xp.where(bad.any(), xp.nan, value)
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
@@ -86,11 +99,11 @@ def softmax_loss_forward(prob: Array, label: Array, loss: Array, *, axis: int,
     xp = get_array_module(prob)
     p3 = _split(prob, axis)
     outer, classes, inner = p3.shape
-    index, valid = _class_labels(xp, label, outer, classes, inner, ignore_label)
+    index, valid, bad = _class_labels(xp, label, outer, classes, inner, ignore_label)
     picked = xp.take_along_axis(p3, index[:, None, :], axis=1)[:, 0, :]
     nll = xp.where(valid, -xp.log(xp.maximum(picked, FLT_MIN)), 0)
-    loss[...] = nll.sum() / _normalizer(xp, normalization, valid, outer * inner, outer,
-                                        prob.dtype)
+    loss[...] = _poison(xp, nll.sum() / _normalizer(xp, normalization, valid, outer * inner,
+                                                    outer, prob.dtype), bad)
 
 
 def softmax_loss_backward(prob: Array, label: Array, dloss: Array, dx: Array, *, axis: int,
@@ -99,11 +112,28 @@ def softmax_loss_backward(prob: Array, label: Array, dloss: Array, dx: Array, *,
     xp = get_array_module(prob)
     p3, d3 = _split(prob, axis), _split(dx, axis)
     outer, classes, inner = p3.shape
-    index, valid = _class_labels(xp, label, outer, classes, inner, ignore_label)
+    index, valid, bad = _class_labels(xp, label, outer, classes, inner, ignore_label)
+    scale = dloss / _normalizer(xp, normalization, valid, outer * inner, outer, prob.dtype)
+    if xp is not np:
+        factor = xp.where(bad, xp.nan, xp.where(valid, scale, 0)).astype(dx.dtype)
+        _softmax_loss_grad()(p3, index[:, None, :], factor[:, None, :],
+                             xp.arange(classes, dtype=xp.int64)[None, :, None], d3)
+        return
     onehot = xp.arange(classes)[None, :, None] == index[:, None, :]
     xp.subtract(p3, onehot, out=d3)
-    scale = dloss / _normalizer(xp, normalization, valid, outer * inner, outer, prob.dtype)
     d3 *= xp.where(valid, scale, 0).astype(dx.dtype)[:, None, :]
+
+
+SOFTMAX_LOSS_GRAD = ("T p, int64 label, T factor, int64 c", "T dx",
+                     "dx = (p - (c == label ? (T)1 : (T)0)) * factor;")
+"""The GPU's fused softmax-loss gradient: one pass instead of a one-hot temporary, a subtract
+and a broadcast multiply; the same two roundings as the host path."""
+
+
+def _softmax_loss_grad() -> Any:
+    from purine.ops.tensor import elementwise
+
+    return elementwise("softmax_loss_grad", *SOFTMAX_LOSS_GRAD)
 
 
 # -- EuclideanLoss -------------------------------------------------------------------------
@@ -164,8 +194,10 @@ def _hinge_margins(x: Array, label: Array) -> tuple[Array, Array]:
     num = x.shape[0]
     x2 = x.reshape(num, -1)
     dim = x2.shape[1]
-    index, _ = _class_labels(xp, label, num, dim, 1, None)
+    index, _, bad = _class_labels(xp, label, num, dim, 1, None)
     sign = xp.where(xp.arange(dim)[None, :] == index, -1, 1).astype(x.dtype)
+    if bad is not None:
+        sign = xp.where(bad, xp.nan, sign).astype(x.dtype)
     return xp.maximum(1 + sign * x2, 0), sign
 
 
@@ -203,14 +235,15 @@ def accuracy_forward(x: Array, label: Array, accuracy: Array, *per_class: Array,
     xp = get_array_module(x)
     x3 = _split(x, axis)
     outer, classes, inner = x3.shape
-    index, valid = _class_labels(xp, label, outer, classes, inner, ignore_label)
+    index, valid, bad = _class_labels(xp, label, outer, classes, inner, ignore_label)
     true_score = xp.take_along_axis(x3, index[:, None, :], axis=1)
     at_least = (x3 >= true_score).sum(axis=1)
     correct = valid & (at_least <= top_k)
     count = valid.sum()
-    accuracy[...] = xp.where(count > 0, correct.sum() / xp.maximum(count, 1), 0)
+    accuracy[...] = _poison(xp, xp.where(count > 0, correct.sum() / xp.maximum(count, 1), 0),
+                            bad)
     if per_class:
         member = (xp.arange(classes)[None, :, None] == index[:, None, :]) & valid[:, None, :]
         nums = member.sum(axis=(0, 2))
         hits = (member & correct[:, None, :]).sum(axis=(0, 2))
-        per_class[0][...] = xp.where(nums > 0, hits / xp.maximum(nums, 1), 0)
+        per_class[0][...] = _poison(xp, xp.where(nums > 0, hits / xp.maximum(nums, 1), 0), bad)
