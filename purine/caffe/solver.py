@@ -113,7 +113,8 @@ class Solver:
     def __init__(self, source: str | os.PathLike | pb.SolverParameter, *,
                  level: int | None = None, stages: Sequence[str] | None = None,
                  threads: int = 1, log=None, path: str | None = None, replicas: int = 1,
-                 comm=None, replica_locations: list | None = None):
+                 comm=None, replica_locations: list | None = None,
+                 share_memory: bool = False):
         if path is None:
             path = os.fspath(source) if isinstance(source, str | os.PathLike) else ""
         self.path = path
@@ -173,6 +174,8 @@ class Solver:
         self.smoothed: deque[float] = deque(maxlen=max(1, p.average_loss))
         self.requested: Callable[[], str] = lambda: "none"
         self.last_test: list[dict[str, np.ndarray]] = []
+        if share_memory:
+            self._share_memory()
 
     # -- nets ----------------------------------------------------------------------------
     def _net_params(self, base: str) -> tuple[pb.NetParameter, list[pb.NetParameter]]:
@@ -287,6 +290,31 @@ class Solver:
     @property
     def lr(self) -> float:
         return so.rate(it=self.iter, **self._lr_params())
+
+    def _share_memory(self) -> None:
+        """Let the train net's blobs whose lifetimes in an iteration never overlap share
+        buffers (purine.runtime.memory). What outlives an iteration keeps its own array:
+        parameters (every replica's), solver history, the iteration and rate blobs, the loss
+        tops and outputs read between iterations, and blobs bound to outside storage. The
+        plan covers every run ``_iteration`` makes: with iter_size > 1 the passes are a
+        loop between the zeroing and the update."""
+        from purine.runtime.memory import plan_memory
+
+        net, d = self.net, self.net.dispatcher
+        passes = self._pass_ops() + self.accumulate_ops
+        ops = self.zero_ops + passes + self.update_ops
+        loops = [(len(self.zero_ops), len(self.zero_ops) + len(passes))]
+        if self.param.iter_size == 1:
+            loops = []
+        keep = {b for b in net.graph.blobs.values() if "lr_mult" in b.meta}
+        keep |= {h for u in self.updates for h in u.history} | {self._it, self._lr}
+        keep |= {t for t, _ in net.builder.loss_tops} | d.external
+        keep |= {net.builder.data[n] for n in net.outputs}
+        if self.replicas:
+            keep |= {t for t, _ in self.replicas.loss_tops}
+        plan = plan_memory(net.graph, ops, keep, loops)
+        d.set_memory_plan(plan)
+        self.log.info(plan.summary())
 
     # -- running -------------------------------------------------------------------------
     def _pass_ops(self) -> list[Op]:

@@ -227,3 +227,205 @@ def test_dispatcher_refuses_to_bind_a_planned_blob_and_to_plan_a_bound_one():
     d3.set_memory_plan(plan)  # an array made before the plan is re-made from it
     assert d3.array(a) is not early
     assert d3.array(a).base is not None and d3.array(a).base.dtype == np.uint8
+
+
+# -- training with shared buffers equals training without ----------------------------------
+@pytest.fixture(scope="module")
+def mnist_db(tmp_path_factory):
+    from purine.datasets.mnist import load_mnist_5k, write_mnist_lmdb
+
+    images, labels = load_mnist_5k()
+    path = tmp_path_factory.mktemp("mnist") / "train_lmdb"
+    write_mnist_lmdb(path, images[:320], labels[:320])
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cifar_db(tmp_path_factory):
+    from converters.convert_imageset import write_images
+
+    rng = np.random.default_rng(1)
+    path = tmp_path_factory.mktemp("cifar") / "train_lmdb"
+    records = ((f"{i:08d}", rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), i % 10)
+               for i in range(160))
+    write_images(path, records, total=160)
+    return str(path)
+
+
+def zoo_solver(model: str, solver: str, db: str, batch: int) -> pb.SolverParameter:
+    net = read_net(model_file(model))
+    for layer in net.layer:
+        if layer.type == "Data":
+            layer.data_param.source = db
+            layer.data_param.batch_size = batch
+            layer.transform_param.ClearField("mean_file")
+    s = read_solver(model_file(solver))
+    s.ClearField("net")
+    s.net_param.CopyFrom(net)
+    del s.test_iter[:]
+    s.test_interval = s.display = s.snapshot = 0
+    s.random_seed = 3
+    return s
+
+
+def poison(solver: Solver) -> None:
+    """Fill every shared buffer with 0xFF bytes (NaN in floating point): a kernel that
+    counted on a fresh, zeroed output would now spread NaNs."""
+    d = solver.net.dispatcher
+    for b in d.memory_plan.storage:
+        d.array(b).reshape(-1).view(np.uint8)[...] = 255
+
+
+def assert_race_free(graph, ops, storage) -> None:
+    """Every two ops touching one storage key, one of them writing, are ordered by the
+    derived edges (transitively), so no schedule of the threaded dispatcher can reorder
+    them."""
+    deps = graph.dependencies(ops, storage)
+    index = {o: i for i, o in enumerate(ops)}
+    before: list[set[int]] = []
+    for o in ops:
+        s: set[int] = set()
+        for p in deps[o]:
+            s |= before[index[p]] | {index[p]}
+        before.append(s)
+    access: dict = {}
+    for i, o in enumerate(ops):
+        for b in o.inputs:
+            access.setdefault(storage.get(b, b), []).append((i, False))
+        for b in o.outputs:
+            access.setdefault(storage.get(b, b), []).append((i, True))
+    checked = 0
+    for key, acc in access.items():
+        for n, (i, wi) in enumerate(acc):
+            for j, wj in acc[n + 1:]:
+                if i != j and (wi or wj):
+                    assert i in before[j], f"{ops[i].name} and {ops[j].name} share {key}"
+                    checked += 1
+    assert checked > 0
+
+
+NETS = {
+    "lenet": ("lenet/lenet_train_test.prototxt", "lenet/lenet_solver.prototxt", "mnist_db", 8),
+    "cifar10_quick": ("cifar10_quick/cifar10_quick_train_test.prototxt",
+                      "cifar10_quick/cifar10_quick_solver.prototxt", "cifar_db", 4),
+}
+MODES = {"sequential": {}, "threads3": {"threads": 3}, "iter_size2": {"iter_size": 2},
+         "replicas2": {"replicas": 2}}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", NETS)
+def test_training_with_shared_memory_is_bit_identical(name, mode, request):
+    model, solver, db, batch = NETS[name]
+    db = request.getfixturevalue(db)
+    kw = dict(MODES[mode])
+    param = zoo_solver(model, solver, db, batch)
+    param.iter_size = kw.pop("iter_size", 1)
+
+    def train(share: bool):
+        s = Solver(param, share_memory=share, **kw)
+        if share:
+            poison(s)
+        losses = [s._iteration() for _ in range(3)]
+        return s, losses
+
+    plain, plain_losses = train(False)
+    shared, shared_losses = train(True)
+    plan = shared.net.dispatcher.memory_plan
+    assert plan.planned_bytes < plan.blob_bytes
+    assert all(np.isfinite(plain_losses)) and shared_losses == plain_losses
+    for layer, views in plain.net.params.items():
+        for k, v in enumerate(views):
+            assert np.array_equal(shared.net.params[layer][k].data, v.data), f"{layer}[{k}]"
+    for h, h2 in zip(plain._history(), shared._history()):
+        assert np.array_equal(plain.net.dispatcher.array(h), shared.net.dispatcher.array(h2))
+    if mode in ("threads3", "replicas2"):
+        ops = shared._pass_ops() + shared.update_ops
+        assert len({o.location for o in ops}) >= 3  # the threaded dispatcher ran
+        assert_race_free(shared.net.graph, ops, plan.storage)
+    if mode == "iter_size2":
+        passes = shared._pass_ops() + shared.accumulate_ops
+        assert any(plan.storage.get(b) for o in passes for b in o.outputs)
+    # The net's outputs and losses survive the iteration (the solver displays them).
+    for n in shared.net.outputs:
+        assert shared.net.builder.data[n] not in plan.storage
+
+
+LAYERS_NET = """name: "many"
+layer { name: "d" type: "DummyData" top: "x" top: "y" dummy_data_param {
+  shape { dim: 4 dim: 3 dim: 8 dim: 8 } shape { dim: 4 dim: 5 }
+  data_filler { type: "gaussian" std: 1 } data_filler { type: "gaussian" std: 1 } } }
+layer { name: "c1" type: "Convolution" bottom: "x" top: "c1" convolution_param {
+  num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "r1" type: "ReLU" bottom: "c1" top: "c1" }
+layer { name: "n1" type: "LRN" bottom: "c1" top: "n1" lrn_param { local_size: 3 } }
+layer { name: "mp" type: "Pooling" bottom: "n1" top: "mp" pooling_param {
+  pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "n2" type: "LRN" bottom: "mp" top: "n2" lrn_param {
+  local_size: 3 norm_region: WITHIN_CHANNEL } }
+layer { name: "ap" type: "Pooling" bottom: "n2" top: "ap" pooling_param {
+  pool: AVE kernel_size: 2 stride: 1 } }
+layer { name: "bn" type: "BatchNorm" bottom: "ap" top: "bn" }
+layer { name: "sc" type: "Scale" bottom: "bn" top: "sc" scale_param { bias_term: true } }
+layer { name: "sg" type: "Sigmoid" bottom: "sc" top: "sg" }
+layer { name: "th" type: "TanH" bottom: "sc" top: "th" }
+layer { name: "el" type: "Eltwise" bottom: "sg" bottom: "th" top: "el"
+  eltwise_param { operation: PROD } }
+layer { name: "cc" type: "Concat" bottom: "sg" bottom: "el" bottom: "th" top: "cc" }
+layer { name: "pr" type: "PReLU" bottom: "cc" top: "cc" }
+layer { name: "dc" type: "Deconvolution" bottom: "cc" top: "dc" convolution_param {
+  num_output: 2 kernel_size: 2 stride: 2 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "dr" type: "Dropout" bottom: "dc" top: "dc" }
+layer { name: "ip" type: "InnerProduct" bottom: "dc" top: "p" inner_product_param {
+  num_output: 5 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "p" bottom: "y" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_many_layer_types_train_alike_on_poisoned_shared_buffers(threads):
+    def train(share: bool):
+        s = Solver(pb.SolverParameter(net_param=read_net(LAYERS_NET), base_lr=0.05,
+                                      momentum=0.9, lr_policy="fixed", random_seed=5,
+                                      max_iter=3), threads=threads, share_memory=share)
+        if share:
+            poison(s)
+        return s, [s._iteration() for _ in range(3)]
+
+    plain, plain_losses = train(False)
+    shared, shared_losses = train(True)
+    assert len(shared.net.dispatcher.memory_plan.buffer_bytes) > 1
+    assert all(np.isfinite(plain_losses)) and shared_losses == plain_losses
+    for layer, views in plain.net.params.items():
+        for k, v in enumerate(views):
+            assert np.array_equal(shared.net.params[layer][k].data, v.data), f"{layer}[{k}]"
+
+
+def test_alexnet_batch_256_figure(capsys):
+    """The plan of AlexNet's training iteration at batch 256 (data from Input blobs), made
+    without running or allocating any activation."""
+    net = read_net(model_file("bvlc_alexnet/train_val.prototxt"))
+    layers = [layer for layer in net.layer if layer.type != "Data"]
+    del net.layer[:]
+    data = net.layer.add(name="data", type="Input", top=["data", "label"])
+    data.input_param.shape.add(dim=[256, 3, 227, 227])
+    data.input_param.shape.add(dim=[256])
+    net.layer.extend(layers)
+    param = read_solver(model_file("bvlc_alexnet/solver.prototxt"))
+    param.ClearField("net")
+    param.net_param.CopyFrom(net)
+    del param.test_iter[:]
+    param.test_interval = 0
+    s = Solver(param, share_memory=True)
+    d = s.net.dispatcher
+    assert {b for b in d.arrays} == set(s.net.builder.learnable_params)  # weights only
+    plan = d.memory_plan
+    blobs = s.net.graph.blobs
+    assert blobs["conv1"] in plan.storage and blobs["fc6[0]@diff"] in plan.storage
+    assert blobs["data"] not in plan.storage  # Input tops are written from outside
+    assert plan.planned_bytes < 0.8 * plan.blob_bytes
+    everything = sum(blob_nbytes(b) for b in blobs.values())
+    with capsys.disabled():
+        print(f"\nAlexNet batch 256, one training iteration: {plan.summary()}; all blobs "
+              f"{everything / 1e6:.1f} MB unplanned, "
+              f"{(everything - plan.blob_bytes + plan.planned_bytes) / 1e6:.1f} MB planned")
