@@ -345,3 +345,129 @@ def test_lrn_across_matches_cpu(case, dtype):
     dx = np.full_like(x, np.nan)
     lrn._gpu_backward(emulate.kernel, x, y, s, dy, dx, **params)
     np.testing.assert_allclose(dx, want_dx, **TOL[dtype])
+
+
+# -- the public ops take their GPU branch for device arrays ----------------------------------
+class FakeDeviceModule:
+    """Stands in for cupy as the array module (numpy underneath) so that the public ops
+    take their ``xp is not np`` branch, which then launches the emulated kernels."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+@pytest.fixture
+def gpu_branch(monkeypatch):
+    launched = []
+
+    def kernel(family, name, dtype):
+        launched.append(name)
+        return emulate.kernel(family, name, dtype)
+
+    monkeypatch.setattr(cuda, "kernel", kernel)
+    for module in (conv, pooling, lrn):
+        monkeypatch.setattr(module, "get_array_module", lambda *a: FakeDeviceModule())
+    return launched
+
+
+def test_public_ops_take_the_gpu_branch(gpu_branch):
+    g, x, w, b, dy = conv_case(CONV_CASES[2], np.float64)
+    y, dx, dw = np.empty_like(dy), np.empty_like(x), np.empty_like(w)
+    conv.conv_forward(x, w, b, y, geom=g)
+    conv.conv_backward_data(dy, w, dx, geom=g)
+    conv.conv_backward_weight(x, dy, dw, geom=g)
+    dbias = np.random.default_rng(7).standard_normal(g.channels)
+    xd = np.empty_like(x)
+    conv.deconv_forward(dy, w, dbias, xd, geom=g)
+    assert gpu_branch == ["im2col", "col2im", "im2col", "col2im"]
+    want = [np.empty_like(a) for a in (y, dx, dw, xd)]
+    for module in (conv,):
+        module.get_array_module = lambda *a: np  # the fixture restores it
+    conv.conv_forward(x, w, b, want[0], geom=g)
+    conv.conv_backward_data(dy, w, want[1], geom=g)
+    conv.conv_backward_weight(x, dy, want[2], geom=g)
+    conv.deconv_forward(dy, w, dbias, want[3], geom=g)
+    for got, ref in zip((y, dx, dw, xd), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-10)
+
+    gpu_branch.clear()
+    pg = pool_geometry(2, 3, 7, 7, (3, 3), (2, 2), (1, 1))
+    px, pdy = pool_inputs(pg, np.float64)
+    shape = pdy.shape
+    py, pm, pdx = np.empty(shape), np.empty(shape, np.int32), np.empty_like(px)
+    pooling.max_pool_forward(px, py, pm, geom=pg)
+    pooling.max_pool_backward(pdy, pm, pdx, geom=pg)
+    ay, adx = np.empty(shape), np.empty_like(px)
+    pooling.ave_pool_forward(px, ay, geom=pg)
+    pooling.ave_pool_backward(pdy, adx, geom=pg)
+    lx = np.random.default_rng(8).standard_normal((2, 5, 3, 3))
+    ly, ls, ldx = np.empty_like(lx), np.empty_like(lx), np.empty_like(lx)
+    params = dict(size=3, alpha=0.1, beta=0.75)
+    lrn.lrn_forward(lx, ly, ls, shift=2.0, within=False, **params)
+    lrn.lrn_backward(lx, ly, ls, lx, ldx, within=False, **params)
+    wy, ws = np.empty_like(lx), np.empty_like(lx)
+    lrn.lrn_forward(lx, wy, ws, shift=1.0, within=True, **params)  # the array code
+    assert gpu_branch == ["max_pool_forward", "max_pool_backward", "ave_pool_forward",
+                          "ave_pool_backward", "lrn_across_forward", "lrn_across_backward"]
+    for module in (pooling, lrn):
+        module.get_array_module = lambda *a: np
+    ry, rm, rdx = np.empty(shape), np.empty(shape, np.int32), np.empty_like(px)
+    pooling.max_pool_forward(px, ry, rm, geom=pg)
+    pooling.max_pool_backward(pdy, rm, rdx, geom=pg)
+    np.testing.assert_array_equal(py, ry)
+    np.testing.assert_array_equal(pm, rm)
+    np.testing.assert_array_equal(pdx, rdx)
+    ray, radx = np.empty(shape), np.empty_like(px)
+    pooling.ave_pool_forward(px, ray, geom=pg)
+    pooling.ave_pool_backward(pdy, radx, geom=pg)
+    np.testing.assert_allclose(ay, ray, rtol=1e-12)
+    np.testing.assert_allclose(adx, radx, rtol=1e-12)
+    rly, rls, rldx = np.empty_like(lx), np.empty_like(lx), np.empty_like(lx)
+    lrn.lrn_forward(lx, rly, rls, shift=2.0, within=False, **params)
+    lrn.lrn_backward(lx, rly, rls, lx, rldx, within=False, **params)
+    np.testing.assert_allclose(ly, rly, rtol=1e-12)
+    np.testing.assert_allclose(ldx, rldx, rtol=1e-12, atol=1e-12)
+
+
+# -- the launcher's use of CuPy, with CuPy replaced by a recorder -----------------------------
+def test_launcher_compiles_once_per_device_and_passes_typed_arguments(monkeypatch):
+    import sys
+    import types
+
+    calls = {"modules": [], "launches": []}
+    device = [0]
+
+    class RawModule:
+        def __init__(self, *, code, options, backend):
+            calls["modules"].append((code, options, backend, device[0]))
+
+        def get_function(self, name):
+            return lambda grid, block, args: calls["launches"].append((name, grid, block,
+                                                                       args))
+
+    fake = types.ModuleType("cupy")
+    fake.RawModule = RawModule
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(
+        getDevice=lambda: device[0]))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cuda, "_MODULES", {})
+    monkeypatch.setattr(cuda, "_FUNCTIONS", {})
+    x, y = np.zeros(10, np.float32), np.zeros(10, np.float32)
+    ave = cuda.kernel("pooling", "ave_pool_forward", np.float32)
+    ave(1000, x, y, *range(10))
+    ave(1000, x, y, *range(10))
+    cuda.kernel("pooling", "ave_pool_backward", np.float32)(5, x, y, *range(10))
+    assert len(calls["modules"]) == 1  # one module per (family, type, device)
+    code, options, backend, _ = calls["modules"][0]
+    assert code == cuda.source("pooling", np.float32) and "typedef float T;" in code
+    assert options == ("-std=c++17",) and backend == "nvrtc"
+    name, grid, block, args = calls["launches"][0]
+    assert (name, grid, block) == ("ave_pool_forward", (4,), (256,))
+    assert type(args[0]) is np.int64 and args[0] == 1000
+    assert args[1] is x and args[2] is y
+    assert all(type(a) is np.int32 for a in args[3:]) and list(args[3:]) == list(range(10))
+    device[0] = 1
+    ave(1000, x, y, *range(10))
+    assert len(calls["modules"]) == 2 and calls["modules"][1][3] == 1
+    ave(0, x, y, *range(10))  # nothing to do: no launch
+    assert len(calls["launches"]) == 4
