@@ -240,6 +240,9 @@ def run_purine(name: str, args) -> dict:
         gpu_name = props["name"]
         result["gpu"] = gpu_name.decode() if isinstance(gpu_name, bytes) else str(gpu_name)
         result["cupy"] = cupy.__version__
+    import numpy
+
+    result["numpy"] = numpy.__version__
     result["loss"] = float(solver.net.loss)
     return result
 
@@ -394,18 +397,20 @@ def print_table(results: list[dict], args) -> None:
     where = next((r["gpu"] for r in results if "gpu" in r), "CPU (smoke mode)")
     found: dict[str, object] = {}
     for r in results:
-        for k in ("cupy", "torch", "cudnn"):
+        for k in ("numpy", "cupy", "torch", "cudnn"):
             if k in r:
                 found.setdefault(k, r[k])
-    versions = ", ".join(f"{k} {v}" for k, v in found.items()) or "no versions"
+    versions = ", ".join(f"{k} {v}" for k, v in found.items()) or "no run succeeded"
     peer = ("; PyTorch uses cuDNN (benchmark mode), purine-caffe does not"
             if args.device == "gpu" else "")
     print(f"\n{where}; {versions}; {args.iterations} timed steps after {args.warmup} "
           f"warm-up; TF32 for PyTorch {'on' if args.tf32 else 'off'}{peer}")
     print("images/s: N steps back to back, one synchronize; step ms: median of N "
-          "synchronized steps (sync im/s = batch / step ms)")
+          "synchronized steps (sync im/s = batch / step ms); start s: set-up and the first "
+          "step (kernel compilation)")
     print(f"{'framework':10s} {'net':14s} {'data':6s} {'batch':>5s} {'images/s':>9s} "
-          f"{'step ms':>8s} {'sync im/s':>9s} {'peak MB':>10s} {'reserved MB':>11s}")
+          f"{'step ms':>8s} {'sync im/s':>9s} {'peak MB':>10s} {'reserved MB':>11s} "
+          f"{'start s':>7s}")
     for r in results:
         head = f"{r['framework']:10s} {r['net']:14s} {r['data']:6s}"
         if "error" in r:
@@ -413,7 +418,7 @@ def print_table(results: list[dict], args) -> None:
             continue
         print(f"{head} {r['batch']:5d} {r['images_per_s']:9.1f} {r['step_ms']:8.2f} "
               f"{r['synced_images_per_s']:9.1f} {mb(r.get('peak_mb'))} "
-              f" {mb(r.get('reserved_mb'))}")
+              f" {mb(r.get('reserved_mb'))} {r['setup_s'] + r['first_step_s']:7.1f}")
     torch_rate = {r["net"]: r["images_per_s"] for r in results
                   if r["framework"] == "torch" and "error" not in r}
     for r in results:
@@ -421,7 +426,7 @@ def print_table(results: list[dict], args) -> None:
             continue
         ratio = r["images_per_s"] / torch_rate[r["net"]]
         goal = "  (goal >= 0.80)" if r["net"] == "alexnet" and args.device == "gpu" else ""
-        print(f"purine/PyTorch images/s, {r['net']} batch {r['batch']}, data from "
+        print(f"purine/PyTorch images/s, {r['net']} batch {r['batch']}, purine's data from "
               f"{r['data']}: {ratio:.2f}{goal}")
 
 
