@@ -1,0 +1,504 @@
+"""Every kernel of the generic op modules (activation, softmax, loss, normalization, array,
+tensor, inner_product) on a GPU against the same kernel on numpy, from one table of cases.
+Without a GPU, the fused kernels' CUDA C compiles for sm_90 and, run serially on the CPU, gives
+the numpy path's numbers bit for bit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from purine.backend import RandomStream
+from purine.errors import LabelError
+from purine.ops import activation as act
+from purine.ops import array as arr
+from purine.ops import inner_product as ip
+from purine.ops import loss, tensor
+from purine.ops import normalization as nm
+from purine.ops import softmax as sm
+from tests.gpu.common import requires_gpu
+from tests.gpu.test_solver_gpu import emulate, nvcc_compiles
+
+SHAPE = (4, 3, 5, 6)
+
+
+@dataclass
+class Case:
+    """``make(rng, dtype)`` gives the arguments; the last ``n_out`` are the outputs (an array
+    may appear twice: an in-place call). ``kw`` is called for fresh keyword arguments."""
+    id: str
+    fn: Callable
+    make: Callable
+    n_out: int = 1
+    kw: Callable = field(default=dict)
+    rtol32: float = 1e-5
+
+
+def _r(rng, dtype, shape=SHAPE, lo=-2.0, hi=2.0):
+    return rng.uniform(lo, hi, shape).astype(dtype)
+
+
+def _z(dtype, shape=SHAPE):
+    return np.zeros(shape, dtype)
+
+
+def _labels(rng, dtype, shape, classes, ignore=None):
+    lab = rng.integers(0, classes, shape).astype(dtype)
+    if ignore is not None:
+        lab.reshape(-1)[::5] = ignore
+    return lab
+
+
+def _probs(rng, dtype, axis=1):
+    p = np.zeros(SHAPE, dtype)
+    sm.softmax_forward(_r(rng, dtype, lo=-3, hi=3), p, axis=axis)
+    return p
+
+
+def _ties(rng, dtype, shape=SHAPE):
+    """Scores with many equal values, for top_k tie-breaking."""
+    return rng.integers(0, 3, shape).astype(dtype)
+
+
+def _inplace(make1):
+    """The output is the (first) input: an in-place forward."""
+    def make(rng, dtype):
+        a = make1(rng, dtype)
+        return a[:-1] + [a[0]]
+    return make
+
+
+def _x_y(rng, dtype):
+    return [_r(rng, dtype), _z(dtype)]
+
+
+def _x_dy_dx(rng, dtype):
+    return [_r(rng, dtype), _r(rng, dtype), _z(dtype)]
+
+
+def _y_dy_dx(lo=0.05, hi=0.95):
+    return lambda rng, dtype: [_r(rng, dtype, lo=lo, hi=hi), _r(rng, dtype), _z(dtype)]
+
+
+def _slope(shared):
+    return lambda rng, dtype: _r(rng, dtype, (), 0.1, 0.3) if shared else _r(rng, dtype, (3,),
+                                                                             0.1, 0.3)
+
+
+def _softmax_loss(fwd, ignore, norm):
+    kw = dict(axis=1, ignore_label=ignore, normalization=norm)
+    if fwd:
+        def make(rng, dtype):
+            return [_probs(rng, dtype), _labels(rng, dtype, (4, 5, 6), 3, ignore),
+                    _z(dtype, ())]
+        return Case(f"softmax_loss_fwd-{ignore}-{norm}", loss.softmax_loss_forward, make,
+                    kw=lambda: kw)
+
+    def make_b(rng, dtype):
+        return [_probs(rng, dtype), _labels(rng, dtype, (4, 5, 6), 3, ignore),
+                np.array(0.7, dtype), _z(dtype)]
+    return Case(f"softmax_loss_bwd-{ignore}-{norm}", loss.softmax_loss_backward, make_b,
+                kw=lambda: kw)
+
+
+def _sce(fwd, ignore, norm):
+    kw = dict(ignore_label=ignore, normalization=norm)
+
+    def target(rng, dtype):
+        t = rng.uniform(0, 1, SHAPE).astype(dtype)
+        if ignore is not None:
+            t.reshape(-1)[::7] = ignore
+        return t
+    if fwd:
+        return Case(f"sigmoid_ce_fwd-{ignore}-{norm}", loss.sigmoid_cross_entropy_loss_forward,
+                    lambda rng, dt: [_r(rng, dt, lo=-5, hi=5), target(rng, dt), _z(dt, ())],
+                    kw=lambda: kw)
+    return Case(f"sigmoid_ce_bwd-{ignore}-{norm}", loss.sigmoid_cross_entropy_loss_backward,
+                lambda rng, dt: [_r(rng, dt, lo=-5, hi=5), target(rng, dt),
+                                 np.array(1.3, dt), _z(dt)], kw=lambda: kw)
+
+
+def _accuracy(top_k, ignore, per_class, axis=1):
+    kw = dict(axis=axis, top_k=top_k, ignore_label=ignore)
+
+    def make(rng, dtype):
+        lab_shape = SHAPE[:axis] + SHAPE[axis + 1:]
+        outs = [_z(dtype, ())] + ([_z(dtype, (SHAPE[axis],))] if per_class else [])
+        return [_ties(rng, dtype), _labels(rng, dtype, lab_shape, SHAPE[axis], ignore)] + outs
+    return Case(f"accuracy-top{top_k}-{ignore}-{per_class}-axis{axis}", loss.accuracy_forward,
+                make, n_out=1 + per_class, kw=lambda: kw)
+
+
+def _bn_train(rng, dtype):
+    x = _r(rng, dtype)
+    mean, var, factor = _r(rng, dtype, (3,)), _r(rng, dtype, (3,), 0.5, 1.5), np.ones(1, dtype)
+    return [x, mean, var, factor, _z(dtype), mean, var, factor, _z(dtype), _z(dtype, (3,))]
+
+
+def _bn_global(factor):
+    def make(rng, dtype):
+        return [_r(rng, dtype), _r(rng, dtype, (3,)), _r(rng, dtype, (3,), 0.5, 1.5),
+                np.full(1, factor, dtype), _z(dtype), _z(dtype, (3,))]
+    return make
+
+
+ODI = dict(outer=4, dim=3, inner=30)
+
+
+def _embed(rng, dtype, with_bias=True):
+    x = rng.integers(0, 7, (4, 5)).astype(dtype)
+    w = _r(rng, dtype, (7, 6))
+    return [x, w] + ([_r(rng, dtype, (6,))] if with_bias else []) + [_z(dtype, (4, 5, 6))]
+
+
+def _reduction(op, fwd):
+    coeff = 0.5 if op != "MEAN" else 0.5 / 30
+    kw = dict(op=op, coeff=coeff)
+    if fwd:
+        return Case(f"reduction_fwd-{op}", arr.reduction_forward,
+                    lambda rng, dt: [_r(rng, dt), _z(dt, (4, 3))], kw=lambda: kw)
+    needs_x = op in ("ASUM", "SUMSQ")
+    return Case(f"reduction_bwd-{op}", arr.reduction_backward,
+                lambda rng, dt: ([_r(rng, dt)] if needs_x else []) + [_r(rng, dt, (4, 3)),
+                                                                      _z(dt)], kw=lambda: kw)
+
+
+def _argmax(axis, top_k, out_max_val):
+    kw = dict(axis=axis, top_k=top_k, out_max_val=out_max_val)
+
+    def make(rng, dtype):
+        x = _ties(rng, dtype)
+        if axis is None:
+            y = _z(dtype, (4, 1 + out_max_val, top_k))
+        else:
+            shape = list(SHAPE)
+            shape[axis] = top_k
+            y = _z(dtype, tuple(shape))
+        return [x, y]
+    return Case(f"argmax-{axis}-{top_k}-{out_max_val}", arr.argmax_forward, make, kw=lambda: kw)
+
+
+CASES = [
+    # activation
+    Case("relu_fwd", act.relu_forward, _x_y),
+    Case("relu_fwd_inplace", act.relu_forward, _inplace(_x_y)),
+    Case("relu_fwd_leaky", act.relu_forward, _x_y, kw=lambda: dict(negative_slope=0.1)),
+    Case("relu_fwd_leaky_inplace", act.relu_forward, _inplace(_x_y),
+         kw=lambda: dict(negative_slope=0.1)),
+    Case("relu_bwd", act.relu_backward, _x_dy_dx),
+    Case("relu_bwd_leaky", act.relu_backward, _x_dy_dx, kw=lambda: dict(negative_slope=0.1)),
+    Case("relu_bwd_dx_is_dy", act.relu_backward,
+         lambda rng, dt: (lambda x, dy: [x, dy, dy])(_r(rng, dt), _r(rng, dt))),
+    Case("prelu_fwd", act.prelu_forward,
+         lambda rng, dt: [_r(rng, dt), _slope(False)(rng, dt), _z(dt)]),
+    Case("prelu_fwd_shared", act.prelu_forward,
+         lambda rng, dt: [_r(rng, dt), _slope(True)(rng, dt), _z(dt)]),
+    Case("prelu_bwd_data", act.prelu_backward_data,
+         lambda rng, dt: [_r(rng, dt), _slope(False)(rng, dt), _r(rng, dt), _z(dt)]),
+    Case("prelu_bwd_slope", act.prelu_backward_slope,
+         lambda rng, dt: [_r(rng, dt), _r(rng, dt), _z(dt, (3,))]),
+    Case("prelu_bwd_slope_shared", act.prelu_backward_slope,
+         lambda rng, dt: [_r(rng, dt), _r(rng, dt), _z(dt, ())]),
+    Case("sigmoid_fwd", act.sigmoid_forward, _x_y),
+    Case("sigmoid_bwd", act.sigmoid_backward, _y_dy_dx()),
+    Case("tanh_fwd", act.tanh_forward, _x_y),
+    Case("tanh_bwd", act.tanh_backward, _y_dy_dx(-0.9, 0.9)),
+    Case("elu_fwd", act.elu_forward, _x_y, kw=lambda: dict(alpha=0.7)),
+    Case("elu_bwd", act.elu_backward,
+         lambda rng, dt: [_r(rng, dt), _r(rng, dt), _r(rng, dt), _z(dt)],
+         kw=lambda: dict(alpha=0.7)),
+    Case("absval_fwd", act.absval_forward, _x_y),
+    Case("absval_bwd", act.absval_backward, _x_dy_dx),
+    Case("bnll_fwd", act.bnll_forward, lambda rng, dt: [_r(rng, dt, lo=-60, hi=60), _z(dt)]),
+    Case("bnll_bwd", act.bnll_backward,
+         lambda rng, dt: [_r(rng, dt, lo=-60, hi=60), _r(rng, dt), _z(dt)]),
+    Case("threshold", act.threshold_forward, _x_y, kw=lambda: dict(threshold=0.3)),
+    Case("power_fwd", act.power_forward, lambda rng, dt: [_r(rng, dt, lo=0.1), _z(dt)],
+         kw=lambda: dict(power=1.7, scale=0.8, shift=0.3)),
+    Case("power_fwd_const", act.power_forward, _x_y,
+         kw=lambda: dict(power=2.0, scale=0.0, shift=1.5)),
+    Case("power_bwd", act.power_backward, lambda rng, dt: [_r(rng, dt, lo=0.1), _r(rng, dt),
+                                                           _z(dt)],
+         kw=lambda: dict(power=1.7, scale=0.8, shift=0.3)),
+    Case("power_bwd_square", act.power_backward, _x_dy_dx,
+         kw=lambda: dict(power=2.0, scale=-1.5, shift=0.0)),
+    Case("power_bwd_linear", act.power_backward_linear, lambda rng, dt: [_r(rng, dt), _z(dt)],
+         kw=lambda: dict(diff_scale=0.4)),
+    Case("power_bwd_linear_zero", act.power_backward_linear,
+         lambda rng, dt: [_r(rng, dt), _r(rng, dt)], kw=lambda: dict(diff_scale=0.0)),
+    Case("exp_fwd", act.exp_forward, _x_y, kw=lambda: dict(inner_scale=0.7, outer_scale=1.3)),
+    Case("exp_fwd_plain", act.exp_forward, _x_y, kw=lambda: dict(inner_scale=1, outer_scale=1)),
+    Case("exp_bwd", act.exp_backward, _y_dy_dx(), kw=lambda: dict(inner_scale=0.7)),
+    Case("log_fwd", act.log_forward, lambda rng, dt: [_r(rng, dt, lo=0.1), _z(dt)],
+         kw=lambda: dict(scale=1.5, shift=0.2, base_scale=0.4)),
+    Case("log_bwd", act.log_backward,
+         lambda rng, dt: [_r(rng, dt, lo=0.1), _r(rng, dt), _z(dt)],
+         kw=lambda: dict(scale=1.5, shift=0.2, base_scale=0.4)),
+    Case("dropout_fwd", act.dropout_forward,
+         lambda rng, dt: [_r(rng, dt), _z(dt), _z("uint8")], n_out=2,
+         kw=lambda: dict(ratio=0.3, rng=RandomStream(7, 3))),
+    Case("dropout_fwd_inplace", act.dropout_forward,
+         lambda rng, dt: (lambda x: [x, x, _z("uint8")])(_r(rng, dt)), n_out=2,
+         kw=lambda: dict(ratio=0.5, rng=RandomStream(7, 4))),
+    Case("dropout_bwd", act.dropout_backward,
+         lambda rng, dt: [rng.integers(0, 2, SHAPE).astype("uint8"), _r(rng, dt), _z(dt)],
+         kw=lambda: dict(ratio=0.3)),
+    # softmax
+    Case("softmax_fwd_axis1", sm.softmax_forward, _x_y, kw=lambda: dict(axis=1)),
+    Case("softmax_fwd_axis3_inplace", sm.softmax_forward, _inplace(_x_y),
+         kw=lambda: dict(axis=3)),
+    Case("softmax_bwd", sm.softmax_backward,
+         lambda rng, dt: [_probs(rng, dt), _r(rng, dt), _z(dt)], kw=lambda: dict(axis=1)),
+    # losses
+    *[_softmax_loss(f, ig, n) for f in (True, False) for ig in (None, 2)
+      for n in loss.NORMALIZATIONS],
+    Case("euclidean_fwd", loss.euclidean_loss_forward,
+         lambda rng, dt: [_r(rng, dt), _r(rng, dt, (4, 90)), _z(dt, ())]),
+    *[Case(f"euclidean_bwd{s:+}", loss.euclidean_loss_backward,
+           lambda rng, dt: [_r(rng, dt), _r(rng, dt), np.array(0.6, dt), _z(dt)],
+           kw=lambda s=s: dict(sign=s)) for s in (1.0, -1.0)],
+    *[_sce(f, ig, n) for f in (True, False) for ig in (None, -1)
+      for n in ("BATCH_SIZE", "VALID", "FULL")],
+    *[Case(f"hinge_fwd-{n}", loss.hinge_loss_forward,
+           lambda rng, dt: [_r(rng, dt, (8, 10)), _labels(rng, dt, (8,), 10), _z(dt, ())],
+           kw=lambda n=n: dict(norm=n)) for n in ("L1", "L2")],
+    *[Case(f"hinge_bwd-{n}", loss.hinge_loss_backward,
+           lambda rng, dt: [_r(rng, dt, (8, 10)), _labels(rng, dt, (8,), 10),
+                            np.array(0.9, dt), _z(dt, (8, 10))],
+           kw=lambda n=n: dict(norm=n)) for n in ("L1", "L2")],
+    _accuracy(1, None, False), _accuracy(2, None, True), _accuracy(1, 1, True),
+    _accuracy(2, 0, False, axis=3),
+    # normalization
+    Case("bn_fwd_train", nm.batch_norm_forward_train, _bn_train, n_out=6,
+         kw=lambda: dict(channels=3, moving_average_fraction=0.999, eps=1e-5)),
+    Case("bn_fwd_global", nm.batch_norm_forward_global, _bn_global(3.5), n_out=2,
+         kw=lambda: dict(channels=3, eps=1e-5)),
+    Case("bn_fwd_global_untrained", nm.batch_norm_forward_global, _bn_global(0.0), n_out=2,
+         kw=lambda: dict(channels=3, eps=1e-5)),
+    Case("bn_bwd_train", nm.batch_norm_backward_train,
+         lambda rng, dt: [_r(rng, dt), _r(rng, dt), _r(rng, dt, (3,), 0.5, 2), _z(dt)],
+         kw=lambda: dict(channels=3), rtol32=1e-4),
+    Case("bn_bwd_global", nm.batch_norm_backward_global,
+         lambda rng, dt: [_r(rng, dt), _r(rng, dt, (3,), 0.5, 2), _z(dt)],
+         kw=lambda: dict(channels=3)),
+    Case("scale_fwd", nm.scale_forward, lambda rng, dt: [_r(rng, dt), _r(rng, dt, (3,)),
+                                                         _z(dt)], kw=lambda: ODI),
+    Case("scale_fwd_bias_inplace", nm.scale_forward,
+         lambda rng, dt: (lambda x: [x, _r(rng, dt, (3,)), _r(rng, dt, (3,)), x])(_r(rng, dt)),
+         kw=lambda: ODI),
+    Case("scale_bwd_data", nm.scale_backward_data,
+         lambda rng, dt: [_r(rng, dt), _r(rng, dt, (3,)), _z(dt)], kw=lambda: ODI),
+    Case("scale_bwd_scale", nm.scale_backward_scale,
+         lambda rng, dt: [_r(rng, dt), _r(rng, dt), _z(dt, (3,))], kw=lambda: ODI),
+    Case("bias_fwd", nm.bias_forward, lambda rng, dt: [_r(rng, dt), _r(rng, dt, (3,)),
+                                                       _z(dt)], kw=lambda: ODI),
+    Case("bias_bwd", nm.bias_backward_bias, lambda rng, dt: [_r(rng, dt), _z(dt, (3,))],
+         kw=lambda: ODI),
+    # array
+    Case("concat", arr.concat_forward,
+         lambda rng, dt: [_r(rng, dt, (4, 2, 5)), _r(rng, dt, (4, 3, 5)), _z(dt, (4, 5, 5))],
+         kw=lambda: dict(axis=1)),
+    Case("take_slice", arr.take_slice, lambda rng, dt: [_r(rng, dt), _z(dt, (4, 3, 2, 6))],
+         kw=lambda: dict(axis=2, start=1)),
+    Case("slice_fwd", arr.slice_forward,
+         lambda rng, dt: [_r(rng, dt), _z(dt, (4, 3, 5, 2)), _z(dt, (4, 3, 5, 4))], n_out=2,
+         kw=lambda: dict(axis=3)),
+    Case("slice_bwd", arr.slice_backward,
+         lambda rng, dt: [_r(rng, dt, (1, 3, 5, 6)), _r(rng, dt, (3, 3, 5, 6)), _z(dt)],
+         kw=lambda: dict(axis=0)),
+    Case("eltwise_sum", arr.eltwise_sum,
+         lambda rng, dt: [_r(rng, dt), _r(rng, dt), _r(rng, dt), _z(dt)],
+         kw=lambda: dict(coeffs=(1.0, -0.5, 2.0))),
+    Case("eltwise_prod", arr.eltwise_prod,
+         lambda rng, dt: [_r(rng, dt), _r(rng, dt), _r(rng, dt), _z(dt)]),
+    Case("eltwise_max", arr.eltwise_max,
+         lambda rng, dt: [_ties(rng, dt), _ties(rng, dt), _ties(rng, dt), _z(dt),
+                          _z("int32")], n_out=2),
+    Case("eltwise_sum_bwd", arr.eltwise_sum_backward, lambda rng, dt: [_r(rng, dt), _z(dt)],
+         kw=lambda: dict(coeff=-0.5)),
+    Case("eltwise_sum_bwd_one", arr.eltwise_sum_backward,
+         lambda rng, dt: [_r(rng, dt), _z(dt)], kw=lambda: dict(coeff=1.0)),
+    Case("eltwise_prod_bwd", arr.eltwise_prod_backward,
+         lambda rng, dt: [_r(rng, dt), _r(rng, dt), _r(rng, dt), _z(dt)]),
+    Case("eltwise_prod_bwd_quotient", arr.eltwise_prod_backward_quotient,
+         lambda rng, dt: [_r(rng, dt), _r(rng, dt, lo=0.5), _r(rng, dt), _z(dt)]),
+    Case("eltwise_max_bwd", arr.eltwise_max_backward,
+         lambda rng, dt: [rng.integers(0, 3, SHAPE).astype("int32"), _r(rng, dt), _z(dt)],
+         kw=lambda: dict(index=1)),
+    Case("reshape_copy", arr.reshape_copy, lambda rng, dt: [_r(rng, dt), _z(dt, (12, 30))]),
+    Case("crop_fwd", arr.crop_forward, lambda rng, dt: [_r(rng, dt), _z(dt, (4, 3, 3, 2))],
+         kw=lambda: dict(offsets=(0, 0, 1, 3))),
+    Case("crop_bwd", arr.crop_backward, lambda rng, dt: [_r(rng, dt, (4, 3, 3, 2)), _r(rng, dt)],
+         kw=lambda: dict(offsets=(0, 0, 1, 3))),
+    Case("tile_fwd", arr.tile_forward, lambda rng, dt: [_r(rng, dt), _z(dt, (4, 9, 5, 6))],
+         kw=lambda: dict(axis=1, tiles=3)),
+    Case("tile_bwd", arr.tile_backward, lambda rng, dt: [_r(rng, dt, (4, 9, 5, 6)), _z(dt)],
+         kw=lambda: dict(axis=1, tiles=3)),
+    _argmax(None, 1, False), _argmax(None, 3, True), _argmax(1, 1, False), _argmax(1, 2, True),
+    _argmax(3, 3, False),
+    *[_reduction(op, f) for op in ("SUM", "ASUM", "SUMSQ", "MEAN") for f in (True, False)],
+    Case("embed_fwd", arr.embed_forward, _embed, kw=lambda: dict(input_dim=7)),
+    Case("embed_fwd_nobias", arr.embed_forward, lambda rng, dt: _embed(rng, dt, False),
+         kw=lambda: dict(input_dim=7)),
+    Case("embed_bwd_weight", arr.embed_backward_weight,
+         lambda rng, dt: [rng.integers(0, 7, (4, 5)).astype(dt), _r(rng, dt, (4, 5, 6)),
+                          _z(dt, (7, 6))], kw=lambda: dict(input_dim=7)),
+    Case("embed_bwd_bias", arr.embed_backward_bias,
+         lambda rng, dt: [_r(rng, dt, (4, 5, 6)), _z(dt, (6,))]),
+    # tensor
+    Case("fill", tensor.fill, lambda rng, dt: [_r(rng, dt)], kw=lambda: dict(value=0.25)),
+    Case("copy", tensor.copy, _x_y),
+    Case("sum", tensor.sum, lambda rng, dt: [_r(rng, dt), _r(rng, dt), _r(rng, dt), _z(dt)]),
+    Case("accumulate", tensor.accumulate,
+         lambda rng, dt: (lambda acc: [_r(rng, dt), acc, acc])(_r(rng, dt))),
+    Case("add_scalar_inplace", tensor.add_scalar,
+         lambda rng, dt: (lambda it: [it, it])(np.array(41.0, dt)), kw=lambda: dict(value=1.0)),
+    # inner product
+    *[Case(f"ip_fwd-{t}-{b}", ip.inner_product_forward,
+           lambda rng, dt, t=t, b=b: [_r(rng, dt), _r(rng, dt, (90, 7) if t else (7, 90))]
+           + ([_r(rng, dt, (7,))] if b else []) + [_z(dt, (4, 7))],
+           kw=lambda t=t: dict(m=4, transpose=t)) for t in (False, True) for b in (False, True)],
+    *[Case(f"ip_bwd_data-{t}", ip.inner_product_backward_data,
+           lambda rng, dt, t=t: [_r(rng, dt, (4, 7)), _r(rng, dt, (90, 7) if t else (7, 90)),
+                                 _z(dt)], kw=lambda t=t: dict(m=4, transpose=t))
+      for t in (False, True)],
+    *[Case(f"ip_bwd_weight-{t}", ip.inner_product_backward_weight,
+           lambda rng, dt, t=t: [_r(rng, dt), _r(rng, dt, (4, 7)),
+                                 _z(dt, (90, 7) if t else (7, 90))],
+           kw=lambda t=t: dict(m=4, transpose=t)) for t in (False, True)],
+    Case("ip_bwd_bias", ip.inner_product_backward_bias,
+         lambda rng, dt: [_r(rng, dt, (4, 7)), _z(dt, (7,))], kw=lambda: dict(m=4)),
+]
+
+
+def _run(case: Case, dtype: str, device: bool) -> list[np.ndarray]:
+    """The case's outputs after one call, on numpy or on the GPU (same inputs, same seed)."""
+    args = case.make(np.random.default_rng(12345), dtype)
+    if device:
+        import cupy
+
+        moved: dict[int, object] = {}
+        args = [moved.setdefault(id(a), cupy.asarray(a)) if isinstance(a, np.ndarray) else a
+                for a in args]
+    case.fn(*args, **case.kw())
+    outs = args[-case.n_out:]
+    return [o.get() if device else o for o in outs]
+
+
+# -- without a GPU -----------------------------------------------------------------------------
+def test_case_table_runs_on_numpy():
+    """Every case is well formed (the GPU tests below are the same calls on cupy)."""
+    for case in CASES:
+        for dtype in ("float64", "float32"):
+            outs = _run(case, dtype, device=False)
+            assert all(np.isfinite(o).all() for o in outs), case.id
+
+
+FUSED = {**{f"act_{k}": v for k, v in act.FUSED.items()},
+         "softmax_loss_grad": loss.SOFTMAX_LOSS_GRAD}
+
+
+def test_fused_kernels_compile_for_sm90(tmp_path):
+    kernels = {}
+    for dtype in ("float64", "float32"):
+        a = np.zeros(4, dtype)
+        for name, spec in FUSED.items():
+            args = []
+            for t, _ in (p.split() for p in (spec[0] + ", " + spec[1]).split(",")):
+                args.append(a if t == "T" else np.zeros(4, "uint8") if t == "M"
+                            else np.zeros(4, "int64") if t == "int64" else 0.5)
+            kernels[f"{name}_{dtype}"] = (spec, args)
+    nvcc_compiles(kernels, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("slope", [0.0, 0.1])
+def test_fused_relu_bit_for_bit_emulated(slope, dtype):
+    rng = np.random.default_rng(0)
+    x, dy = _r(rng, dtype), _r(rng, dtype)
+    x.reshape(-1)[::11] = 0
+    dy.reshape(-1)[::13] = -np.inf
+    want, got = _z(dtype), _z(dtype)
+    with np.errstate(invalid="ignore"):  # -inf * 0 is NaN on both paths
+        act.relu_backward(x, dy, want, negative_slope=slope)
+    emulate(act.FUSED["relu_backward"], x, dy, slope, got)
+    np.testing.assert_array_equal(got, want)
+    if slope:
+        act.relu_forward(x, want, negative_slope=slope)
+        emulate(act.FUSED["relu_leaky"], x, slope, got)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_fused_dropout_bit_for_bit_emulated(dtype):
+    rng = np.random.default_rng(0)
+    x, want, mask = _r(rng, dtype), _z(dtype), _z("uint8")
+    act.dropout_forward(x, want, mask, ratio=0.3, rng=RandomStream(1, 2))
+    got = _z(dtype)
+    emulate(act.FUSED["dropout"], x, mask, 1.0 / (1.0 - 0.3), got)
+    np.testing.assert_array_equal(got, want)
+    act.dropout_backward(mask, x, want, ratio=0.3)
+    emulate(act.FUSED["dropout"], x, mask, 1.0 / (1.0 - 0.3), got)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("ignore", [None, 2])
+def test_fused_softmax_loss_grad_bit_for_bit_emulated(ignore, dtype):
+    """The kernel's arithmetic, with the per-position factor the GPU branch computes."""
+    rng = np.random.default_rng(0)
+    p, lab = _probs(rng, dtype), _labels(rng, dtype, (4, 5, 6), 3, ignore)
+    dloss = np.array(0.7, dtype)
+    want = _z(dtype)
+    loss.softmax_loss_backward(p, lab, dloss, want, axis=1, ignore_label=ignore)
+    index, valid, _ = loss._class_labels(np, lab, 4, 3, 30, ignore)
+    scale = dloss / loss._normalizer(np, "VALID", valid, 120, 4, p.dtype)
+    factor = np.where(valid, scale, 0).astype(dtype)
+    got = np.zeros((4, 3, 30), dtype)
+    c = np.arange(3, dtype=np.int64)
+    # broadcast by hand: the emulation takes full-size arrays
+    emulate(loss.SOFTMAX_LOSS_GRAD, np.ascontiguousarray(p.reshape(4, 3, 30)),
+            np.ascontiguousarray(np.broadcast_to(index[:, None, :], got.shape)),
+            np.ascontiguousarray(np.broadcast_to(factor[:, None, :], got.shape)),
+            np.ascontiguousarray(np.broadcast_to(c[None, :, None], got.shape)), got)
+    np.testing.assert_array_equal(got.reshape(SHAPE), want)
+
+
+# -- on a GPU ----------------------------------------------------------------------------------
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_op_on_gpu_matches_numpy(case, dtype):
+    """float64 to 1e-12 (reductions and transcendental functions may differ in the last
+    places); float32 to the case's rtol (1e-5 unless stated), atol 1e-6."""
+    want = _run(case, dtype, device=False)
+    got = _run(case, dtype, device=True)
+    tol = dict(rtol=1e-12, atol=1e-13) if dtype == "float64" else dict(rtol=case.rtol32,
+                                                                          atol=1e-6)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g, w, err_msg=case.id, **tol)
+
+
+@requires_gpu
+def test_bad_label_is_nan_on_gpu_and_an_error_on_the_host():
+    import cupy
+
+    rng = np.random.default_rng(0)
+    p, lab = _probs(rng, "float64"), _labels(rng, "float64", (4, 5, 6), 3)
+    lab[1, 2, 3] = 3
+    with pytest.raises(LabelError):
+        loss.softmax_loss_forward(p, lab, np.zeros(()), axis=1)
+    out = cupy.zeros(())
+    loss.softmax_loss_forward(cupy.asarray(p), cupy.asarray(lab), out, axis=1)
+    assert np.isnan(out.get())
+    dx = cupy.zeros(SHAPE)
+    loss.softmax_loss_backward(cupy.asarray(p), cupy.asarray(lab), cupy.ones(()), dx, axis=1)
+    bad = np.isnan(dx.get())
+    assert bad[1, :, 2, 3].all() and bad.sum() == 3
+    acc = cupy.zeros(())
+    loss.accuracy_forward(cupy.asarray(p), cupy.asarray(lab), acc, axis=1)
+    assert np.isnan(acc.get())
