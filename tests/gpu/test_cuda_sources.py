@@ -38,6 +38,57 @@ def test_source_compiles_for_sm90(tmp_path, family, dtype):
     assert entries == set(cuda.signatures(family))
 
 
+def nvrtc_library():
+    """libnvrtc: $PURINE_NVRTC, the nvidia-cuda-nvrtc wheel's, or the system's; None if
+    none is found. Its builtins library is loaded first from the same folder, where NVRTC
+    looks for it by name."""
+    import ctypes
+    import ctypes.util
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    candidates = [os.environ.get("PURINE_NVRTC", "")]
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidates += sorted(str(p) for p in Path(root).glob("*/lib/libnvrtc.so*")
+                             if "alt" not in p.name)
+    candidates.append(ctypes.util.find_library("nvrtc") or "")
+    for path in filter(None, candidates):
+        try:
+            for builtins in sorted(Path(path).parent.glob("libnvrtc-builtins.so*")):
+                if "alt" not in builtins.name:
+                    ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_source_compiles_with_nvrtc(family, dtype):
+    """The compiler CuPy uses at run time, with the loader's options, no headers."""
+    import ctypes
+
+    lib = nvrtc_library()
+    if lib is None:
+        pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc, or set PURINE_NVRTC)")
+    prog = ctypes.c_void_p()
+    text = cuda.source(family, dtype).encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), text, f"{family}.cu".encode(), 0,
+                                  None, None) == 0
+    options = [o.encode() for o in (*cuda.OPTIONS, "--gpu-architecture=compute_90")]
+    rc = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    assert rc == 0, log.value.decode()
+    assert "warning" not in log.value.decode()
+
+
 def test_signatures_and_argument_checks():
     assert cuda.signature("im2col", "im2col") == ("long long", "T*", "T*") + ("int",) * 14
     assert cuda.signature("pooling", "max_pool_forward")[:4] == ("long long", "T*", "T*",

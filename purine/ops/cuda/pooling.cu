@@ -6,6 +6,10 @@
 // h * width + w. AVE divides by the window clipped to the padded extent (height + pad).
 // T, PURINE_LOOP and PURINE_FLT_MAX come from the loader's prelude.
 
+// Integer min / max spelled out, so the source needs no header under NVRTC.
+__device__ __forceinline__ int imin(const int a, const int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(const int a, const int b) { return a > b ? a : b; }
+
 template <typename M>
 __device__ __forceinline__ void max_pool_forward_impl(
     const long long n, const T* __restrict__ x, T* __restrict__ y, M* __restrict__ mask,
@@ -19,10 +23,10 @@ __device__ __forceinline__ void max_pool_forward_impl(
         const long long plane = i / ((long long)pooled_w * pooled_h);
         const int hs = ph * stride_h - pad_h;
         const int ws = pw * stride_w - pad_w;
-        const int h0 = max(hs, 0);
-        const int w0 = max(ws, 0);
-        const int h1 = min(hs + kernel_h, height);
-        const int w1 = min(ws + kernel_w, width);
+        const int h0 = imax(hs, 0);
+        const int w0 = imax(ws, 0);
+        const int h1 = imin(hs + kernel_h, height);
+        const int w1 = imin(ws + kernel_w, width);
         const T* xs = x + plane * height * width;
         T best = (T)(-PURINE_FLT_MAX);
         int arg = -1;
@@ -69,7 +73,7 @@ __device__ __forceinline__ void covering(const int h, const int pad, const int k
                                          int* last)
 {
     *first = (h + pad < kernel) ? 0 : (h + pad - kernel) / stride + 1;
-    *last = min((h + pad) / stride + 1, pooled);
+    *last = imin((h + pad) / stride + 1, pooled);
 }
 
 template <typename M>
@@ -130,8 +134,8 @@ __device__ __forceinline__ int pool_size(const int ph, const int pw, const int h
 {
     const int hs = ph * stride_h - pad_h;
     const int ws = pw * stride_w - pad_w;
-    const int he = min(hs + kernel_h, height + pad_h);
-    const int we = min(ws + kernel_w, width + pad_w);
+    const int he = imin(hs + kernel_h, height + pad_h);
+    const int we = imin(ws + kernel_w, width + pad_w);
     return (he - hs) * (we - ws);
 }
 
@@ -147,10 +151,10 @@ extern "C" __global__ void ave_pool_forward(
         const long long plane = i / ((long long)pooled_w * pooled_h);
         const int hs = ph * stride_h - pad_h;
         const int ws = pw * stride_w - pad_w;
-        const int h0 = max(hs, 0);
-        const int w0 = max(ws, 0);
-        const int h1 = min(hs + kernel_h, height);
-        const int w1 = min(ws + kernel_w, width);
+        const int h0 = imax(hs, 0);
+        const int w0 = imax(ws, 0);
+        const int h1 = imin(hs + kernel_h, height);
+        const int w1 = imin(ws + kernel_w, width);
         const T* xs = x + plane * height * width;
         T sum = (T)0;
         for (int h = h0; h < h1; ++h) {
