@@ -87,13 +87,16 @@ def assign(dst: Any, value: Any) -> None:
     """``dst[...] = value`` wherever ``dst`` lives; ``value`` may be a host array, a device
     array or a scalar."""
     if is_device_array(dst) and not is_device_array(value):
-        value = np.asarray(value, dtype=dst.dtype)
-        if value.shape == dst.shape and dst.flags.c_contiguous:
-            dst.set(np.ascontiguousarray(value))
-            return
         import cupy
 
-        value = cupy.asarray(value)
+        value = np.asarray(value, dtype=dst.dtype)
+        with dst.device:
+            if value.shape == dst.shape and dst.flags.c_contiguous:
+                # ordered on the current stream (a Copy op's); from pageable host memory
+                # the call returns once the host array has been read
+                dst.set(np.ascontiguousarray(value), stream=cupy.cuda.get_current_stream())
+                return
+            value = cupy.asarray(value)
     dst[...] = value
 
 
@@ -165,6 +168,32 @@ def synchronize(location: Location | None = None) -> None:
     indices = [location.index] if location is not None else range(gpu_count())
     for i in indices:
         cupy.cuda.Device(i).synchronize()
+
+
+def copy_array(src: Any, dst: Any) -> None:
+    """The Copy op's kernel: ``dst[...] = src`` between any two memory spaces. Host to
+    device and device to device run on the current stream (the Copy op's location); device
+    to host blocks until the value has arrived, since a host op will read it next."""
+    src_dev, dst_dev = is_device_array(src), is_device_array(dst)
+    if not src_dev and not dst_dev:
+        dst[...] = src
+    elif not src_dev:
+        assign(dst, src)
+    elif not dst_dev:
+        with src.device:
+            if dst.flags.c_contiguous and src.flags.c_contiguous:
+                src.get(out=dst)
+            else:
+                dst[...] = src.get()
+    elif src.device.id == dst.device.id:
+        dst[...] = src
+    else:  # between devices: a peer copy on the current stream
+        import cupy
+
+        if not (src.flags.c_contiguous and dst.flags.c_contiguous):
+            raise PurineError("a copy between GPUs needs contiguous arrays")
+        dst.data.copy_from_device_async(src.data, src.nbytes,
+                                        cupy.cuda.get_current_stream())
 
 
 def allocate(location: Location, shape: tuple[int, ...], dtype: str) -> Any:

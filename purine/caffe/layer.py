@@ -25,7 +25,7 @@ import numpy as np
 from purine.backend import RandomStream
 from purine.caffe import caffe_pb2 as pb
 from purine.errors import LayerError
-from purine.graph import Blob, Op
+from purine.graph import Blob, Location, Op
 from purine.ops import tensor
 
 if TYPE_CHECKING:
@@ -94,6 +94,9 @@ class LayerBuild:
         self.index = index
         self.phase = net.phase
         self.location = net.placement.get(self.name, net.location)
+        if self.type == "Python" and self.location.device != "cpu":
+            # pycaffe layers compute with numpy: on the host, their blobs copied over
+            self.location = Location("cpu", 0, 0, self.location.host)
         if self.type == "Split" and self.name not in net.placement:
             self.location = net.data[param.bottom[0]].location  # an implicit split stays put
         # A bottom from another memory space arrives through a Copy op into a mirror here;

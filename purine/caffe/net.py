@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from purine.backend import assign, is_device_array, to_host
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.fillers import fill
 from purine.caffe.layer import BUILDERS, LayerBuild, LegacyAxes, Stateful, kernel
@@ -296,7 +297,8 @@ class Net:
                  level: int = 0, stages: Sequence[str] = (), seed: int = 0,
                  threads: int = 1, dtype: str = "float32",
                  replica: tuple[int, int] = (0, 1),
-                 placement: dict[str, Location] | None = None):
+                 placement: dict[str, Location] | None = None,
+                 location: Location = CPU):
         for a in args:
             if isinstance(a, int | str) and a in _PHASES and phase is None:
                 phase = a
@@ -308,6 +310,7 @@ class Net:
         self.model = read_net(model)
         self._level, self._stages, self._seed, self._threads = level, tuple(stages), seed, threads
         self._dtype, self._replica, self._placement = dtype, replica, placement
+        self.location = location  # where the layers run (Python layers stay on the host)
         self._input_shapes: dict[str, tuple[int, ...]] = {}
         self._shared_with: Net | None = None
         self.solver_owned = False
@@ -318,11 +321,12 @@ class Net:
     def _build(self, keep: dict[Blob, np.ndarray] | None = None) -> None:
         b = NetBuilder(self.model, self.phase, level=self._level, stages=self._stages,
                        seed=self._seed, threads=self._threads, input_shapes=self._input_shapes,
-                       dtype=self._dtype, replica=self._replica, placement=self._placement)
+                       dtype=self._dtype, replica=self._replica, placement=self._placement,
+                       location=self.location)
         self.builder, self.graph = b, b.graph
         self.dispatcher = Dispatcher(self.graph)
         for blob, value in b.initial.items():
-            self.dispatcher.array(blob)[...] = value
+            assign(self.dispatcher.array(blob), value)
         self.layer_names = [L.name for L in b.layers]
         self.layer_types = [L.type for L in b.layers]
         self.blobs: OrderedDict[str, BlobView] = OrderedDict(
@@ -360,11 +364,12 @@ class Net:
             if name not in self.blobs:
                 raise PurineError(f"forward: net has no blob '{name}'")
             target = self.blobs[name].data
-            value = np.asarray(value)
-            if value.shape != target.shape:
+            if not is_device_array(value):
+                value = np.asarray(value)
+            if tuple(value.shape) != target.shape:
                 raise PurineError(f"forward: blob '{name}' has shape {target.shape}, "
-                                  f"the input has {value.shape}")
-            target[...] = value
+                                  f"the input has {tuple(value.shape)}")
+            assign(target, value)
         if start is None and end is None:
             ops = self._forward_ops
         else:
@@ -380,7 +385,7 @@ class Net:
         """Run the backward ops; returns the input blobs' diffs (and ``diffs``) by name."""
         given = set()
         for name, value in top_diffs.items():
-            self.blobs[name].diff[...] = value
+            assign(self.blobs[name].diff, value)
             given.add(self.builder.diff(name))
         # The loss tops' diffs start as their loss weights, unless the caller gave them.
         ops = [op for op in self.builder.seed_ops if op.outputs[0] not in given]
@@ -391,6 +396,14 @@ class Net:
         self.dispatcher.run(ops)
         names = list(self.inputs) + list(diffs or [])
         return {n: self.blobs[n].diff for n in names}
+
+    def loss_value(self) -> Any:
+        """``loss`` as an array scalar where the net runs (on a GPU, reading it later
+        does not make the host wait now)."""
+        total: Any = 0.0
+        for b, w in self.builder.loss_tops:
+            total = total + w * self.dispatcher.array(b).sum()
+        return total
 
     @property
     def loss(self) -> float:
@@ -416,7 +429,7 @@ class Net:
         for ps in self.builder.layers:
             for p in ps.params:
                 if p.name in params:
-                    self.dispatcher.array(p)[...] = params[p.name]
+                    assign(self.dispatcher.array(p), params[p.name])
 
     def share_with(self, other: Net) -> None:
         """Use ``other``'s parameter arrays for the layers both nets have, by name (Caffe's
@@ -457,13 +470,14 @@ class Net:
                         raise PurineError(
                             f"{os.fspath(path)}: layer '{name}' parameter {k} has shape "
                             f"{a.shape} in the file, the net expects {v.shape}")
-                v.data[...] = a
+                assign(v.data, a)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the parameters as a .caffemodel (temporary file, then rename)."""
         from purine.caffe.caffemodel import save_net
 
-        params = {name: [v.data for v in views] for name, views in self.params.items()}
+        params = {name: [to_host(v.data) for v in views]
+                  for name, views in self.params.items()}
         layers = [L.param for L in self.builder.layers if L.type != "Split"]
         save_net(self.model.name, layers, params, path)
 

@@ -17,10 +17,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from purine.backend import one_blas_thread
+from purine.backend import assign, is_device_array, one_blas_thread, to_host
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.caffemodel import Chunks, atomic_write, blob_chunks, blob_to_array, nested_field
 from purine.caffe.layer import kernel
@@ -29,7 +30,7 @@ from purine.caffe.prototxt import parse_text, read_message, read_net
 from purine.caffe.upgrade import upgrade_solver
 from purine.caffe.wire import len_field, length_fields
 from purine.errors import ProtoError, PurineError
-from purine.graph import Blob, Location, Op
+from purine.graph import CPU, Blob, Location, Op
 from purine.log import get_logger
 from purine.ops import solver as so
 from purine.ops import tensor
@@ -114,6 +115,7 @@ class Solver:
                  level: int | None = None, stages: Sequence[str] | None = None,
                  threads: int = 1, log=None, path: str | None = None, replicas: int = 1,
                  comm=None, replica_locations: list | None = None,
+                 location: Location = CPU,
                  share_memory: bool = False):
         if path is None:
             path = os.fspath(source) if isinstance(source, str | os.PathLike) else ""
@@ -140,8 +142,11 @@ class Solver:
             first, total = self.mpi.first, self.mpi.total
             test_params = test_params if self.mpi.is_root else []  # Caffe: root tests
         # -- end MPI
+        if self.mpi and location.device != "cpu":
+            raise PurineError("training on GPUs across MPI ranks is not supported; run one "
+                              "process with --gpu 0,1,... (NCCL) or MPI ranks on CPUs")
         self.net = Net(train_param, phase=TRAIN, level=lv, stages=st, seed=seed + first,
-                       threads=threads, replica=(first, total))
+                       threads=threads, replica=(first, total), location=location)
         self.net.solver_owned = True  # its blobs feed the update ops: no reshape
         folder = os.path.dirname(self._prefix())
         if (p.snapshot or p.snapshot_after_train) and folder and not os.path.isdir(folder):
@@ -167,7 +172,8 @@ class Solver:
         for i, tp in enumerate(test_params):
             s = p.test_state[i] if i < len(p.test_state) else pb.NetState()
             lv, st = state(s)
-            tn = Net(tp, phase=TEST, level=lv, stages=st, seed=seed, threads=threads)
+            tn = Net(tp, phase=TEST, level=lv, stages=st, seed=seed, threads=threads,
+                     location=location)
             tn.share_with(self.net)
             self.test_nets.append(tn)
         self._build_update()
@@ -212,6 +218,7 @@ class Solver:
             loc = self.mpi.server
         self._it = g.blob("solver/iter", (), "float64", loc)
         self._lr = g.blob("solver/lr", (), "float64", loc)
+        self._iter_host = 0  # the counter blob's value, known without reading a GPU
         ops: list[Op] = []
 
         def op(name: str, fn, ins, outs, **params) -> Op:
@@ -281,11 +288,12 @@ class Solver:
     # -- state ---------------------------------------------------------------------------
     @property
     def iter(self) -> int:
-        return int(self.net.dispatcher.array(self._it))
+        return self._iter_host
 
     @iter.setter
     def iter(self, value: int) -> None:
-        self.net.dispatcher.array(self._it)[...] = value
+        assign(self.net.dispatcher.array(self._it), value)
+        self._iter_host = int(value)
 
     @property
     def lr(self) -> float:
@@ -326,13 +334,15 @@ class Solver:
             ops = ops + self.mpi.ops
         return ops
 
-    def _pass_loss(self) -> float:
-        loss = self.net.loss
+    def _pass_loss(self) -> Any:
+        """The pass's loss; on a GPU a 0-d device array, so the host need not wait for the
+        pass to finish (it is read when the display needs it)."""
+        loss = self.net.loss_value()
         if self.replicas:
             d = self.net.dispatcher
             other = sum(w * float(d.array(b).sum()) for b, w in self.replicas.loss_tops)
-            loss = (loss + other) / self.replicas.count
-        return self.mpi.mean(loss) if self.mpi else loss
+            loss = (float(loss) + other) / self.replicas.count
+        return self.mpi.mean(float(loss)) if self.mpi else loss
 
     def _iteration(self) -> float:
         """One iteration: iter_size forward/backward passes, then the update. Returns the
@@ -342,12 +352,14 @@ class Solver:
         loss = 0.0
         if n == 1:
             d.run(self._pass_ops() + self.update_ops)
+            self._iter_host += 1
             return self._pass_loss()
         d.run(self.zero_ops)
         for _ in range(n):
             d.run(self._pass_ops() + self.accumulate_ops)
-            loss += self._pass_loss()
+            loss = loss + self._pass_loss()
         d.run(self.update_ops)
+        self._iter_host += 1
         return loss / n
 
     def trace_iteration(self, path: str | os.PathLike) -> float:
@@ -389,15 +401,16 @@ class Solver:
             else:
                 loss = self._iteration()
             it = self.iter - 1  # the update op advanced the counter
-            if not math.isfinite(loss):
-                raise DivergenceError(f"iteration {it}: the loss is {loss}; training stopped "
-                                      "(snapshots already written are intact)")
+            if not is_device_array(loss):  # a GPU's loss is checked when it is displayed
+                _check_finite(float(loss), it)
             self.smoothed.append(loss)
             if display:
+                _check_finite(float(loss), it)
                 lapse = time.perf_counter() - t_start
                 per_s = (it + 1 - it_start) / lapse if lapse > 0 else 0.0
                 log.info("Iteration %d (%g iter/s, %.3fs/%d iters), loss = %g", it, per_s,
-                         lapse, p.display, sum(self.smoothed) / len(self.smoothed))
+                         lapse, p.display,
+                         sum(float(v) for v in self.smoothed) / len(self.smoothed))
                 t_start, it_start = time.perf_counter(), it + 1
                 self._log_outputs(self.net, "Train", None)
                 log.info("Iteration %d, lr = %g", it, so.rate(it=it, **self._lr_params()))
@@ -439,7 +452,7 @@ class Solver:
         for name in net.outputs:
             data = values[name] if values is not None else net.blobs[name].data
             w = weights.get(net.builder.data[name], 0.0)
-            for v in np.ravel(data):
+            for v in np.ravel(to_host(data)):
                 extra = f" (* {w:g} = {w * float(v):g} loss)" if w else ""
                 self.log.info("    %s net output #%d: %s = %g%s", kind, k, name, float(v), extra)
                 k += 1
@@ -458,7 +471,7 @@ class Solver:
             if p.test_compute_loss:
                 loss += net.loss
             for name, v in out.items():
-                sums[name] = sums.get(name, 0) + np.asarray(v, dtype=np.float64)
+                sums[name] = sums.get(name, 0) + to_host(v).astype(np.float64)
         n = max(1, p.test_iter[i])
         means = {k: v / n for k, v in sums.items()}
         if p.test_compute_loss:
@@ -502,7 +515,7 @@ class Solver:
         d = self.net.dispatcher
         parts: Chunks = [head]
         for h in self._history():
-            parts += nested_field(3, blob_chunks(d.array(h)))
+            parts += nested_field(3, blob_chunks(to_host(d.array(h))))
         private = self._private_state() if private is None else private
         parts += len_field(PRIVATE_STATE_FIELD, json.dumps(private).encode())
         return parts
@@ -561,8 +574,14 @@ class Solver:
             if a.size != h.count:
                 raise PurineError(f"{os.fspath(path)}: history blob {k} has {a.size} values, "
                                   f"parameter '{h.name}' needs {h.count}")
-            d.array(h)[...] = a.reshape(h.shape)
+            assign(d.array(h), a.reshape(h.shape))
         self.iter = state.iter
+
+
+def _check_finite(loss: float, it: int) -> None:
+    if not math.isfinite(loss):
+        raise DivergenceError(f"iteration {it}: the loss is {loss}; training stopped "
+                              "(snapshots already written are intact)")
 
 
 # -- signals -----------------------------------------------------------------------------

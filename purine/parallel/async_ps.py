@@ -171,6 +171,7 @@ class AsyncSolver(Solver):
         """Replica ``w``'s gradients into the server, then one solver update (the caller
         holds the server lock)."""
         self.net.dispatcher.run(w.push_ops + self.update_ops)
+        self._iter_host += 1  # the update ops advanced the counter blob
         self.pushes[w.index] += 1
 
     def _iteration(self) -> float:

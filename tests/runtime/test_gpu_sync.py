@@ -117,9 +117,15 @@ def test_every_cross_stream_consumer_waits_for_its_producers_event(fake, threade
     d = Dispatcher(g)
     d.array(g.blobs["h"])[...] = 1
     ran: list[str] = []
-    for o in g.ops:  # note the order kernels ran in
-        k = o.kernel
-        o.kernel = (lambda k, n: lambda i, out: (ran.append(n), k(i, out)))(k, o.name)
+
+    def noting(fn, name):  # note the order kernels ran in
+        def run(ins, outs):
+            ran.append(name)
+            fn(ins, outs)
+        return run
+
+    for o in g.ops:
+        o.kernel = noting(o.kernel, o.name)
     (d.run if threaded else d.run_sequential)()
     np.testing.assert_array_equal(d.array(g.blobs["out"]), 6)
     np.testing.assert_array_equal(d.array(g.blobs["h"]), 7)
