@@ -24,7 +24,7 @@ def cmd_time(args: argparse.Namespace) -> int:
     from purine.timing import time_net
 
     log = get_logger()
-    _no_gpu(args)
+    gpus = _gpus(args)
     model, placement = args.model, None
     if args.placement:
         from purine.caffe.prototxt import read_net
@@ -36,7 +36,7 @@ def cmd_time(args: argparse.Namespace) -> int:
         log.info("Placement %s: %d layers placed, %d split into towers", args.placement,
                  len(placement), len(split.towers))
     net = Net(model, phase=TRAIN, level=args.level, stages=_stages(args.stage),
-              threads=args.threads, placement=placement)
+              threads=args.threads, placement=placement, location=_location(gpus))
     log.info("Performing Forward")
     net.forward()
     log.info("Initial loss: %g", net.loss)
@@ -59,10 +59,40 @@ def cmd_time(args: argparse.Namespace) -> int:
     return 0
 
 
-def _no_gpu(args: argparse.Namespace) -> None:
-    if getattr(args, "gpu", None):
-        raise PurineError(f"--gpu {args.gpu}: the GPU backend is not available yet; "
-                          "run without --gpu to use the CPU")
+def _gpus(args: argparse.Namespace, default: str | None = None) -> list[int]:
+    """The GPU ids of ``--gpu`` (Caffe's "0", "0,1", "all"); [] for the CPU. ``default`` is
+    what the solver's solver_mode/device_id ask for when --gpu is not given."""
+    from purine.backend import gpu_count, gpu_unavailable, set_tf32
+
+    spec = getattr(args, "gpu", None) or default
+    if not spec:
+        if getattr(args, "tf32", False):
+            raise PurineError("--tf32 applies to GPU matrix products; give --gpu too")
+        return []
+    why = gpu_unavailable()
+    if why is not None:
+        raise PurineError(f"--gpu {spec}: {why}; run without --gpu to use the CPU")
+    n = gpu_count()
+    if spec.strip() == "all":
+        ids = list(range(n))
+    else:
+        try:
+            ids = [int(x) for x in spec.split(",") if x.strip()]
+        except ValueError:
+            raise PurineError(f"--gpu {spec}: expected GPU ids such as 0 or 0,1, or 'all'"
+                              ) from None
+    bad = [i for i in ids if not 0 <= i < n]
+    if bad or not ids or len(set(ids)) != len(ids):
+        raise PurineError(f"--gpu {spec}: this machine has {n} GPU(s), ids 0..{n - 1}, each "
+                          "at most once")
+    set_tf32(bool(getattr(args, "tf32", False)))
+    return ids
+
+
+def _location(gpus: list[int]):
+    from purine.graph import CPU, Location
+
+    return Location("gpu", gpus[0]) if gpus else CPU
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -79,7 +109,6 @@ def _train(args: argparse.Namespace, comm) -> int:
     from purine.caffe.solver import SignalHandler, Solver, read_solver, snapshot_seed
 
     log = get_logger()
-    _no_gpu(args)
     if comm is not None:
         log.info("MPI: %d ranks x %d replicas (%d replicas in all)", comm.size, args.replicas,
                  comm.size * args.replicas)
@@ -87,9 +116,25 @@ def _train(args: argparse.Namespace, comm) -> int:
         raise PurineError("give --snapshot to resume training or --weights to fine-tune, "
                           "not both")
     param = read_solver(args.solver)
-    if param.HasField("solver_mode") and param.solver_mode == param.GPU:
-        log.warning("solver_mode is GPU but the GPU backend is not available yet; "
-                    "training on the CPU")
+    default = None
+    if not args.gpu and param.HasField("solver_mode") and param.solver_mode == param.GPU:
+        from purine.backend import gpu_unavailable
+
+        why = gpu_unavailable()
+        if why is None:  # Caffe: solver_mode GPU trains on device_id (default 0)
+            default = str(param.device_id)
+            log.info("solver_mode is GPU: using GPU %s", default)
+        else:
+            log.warning("solver_mode is GPU but %s; training on the CPU", why)
+    gpus = _gpus(args, default)
+    if gpus and comm is not None:
+        raise PurineError("--gpu with MPI is not supported; train on several GPUs in one "
+                          "process with --gpu 0,1,...")
+    if gpus and args.staleness is not None:
+        raise PurineError("--async runs on the CPU; drop --gpu or --async")
+    if len(gpus) > 1 and args.replicas > 1:
+        raise PurineError("--replicas with several GPUs: each GPU is one replica (give "
+                          "--gpu 0,1,... alone)")
     if args.level is not None:
         param.train_state.level = args.level
     param.train_state.stage.extend(_stages(args.stage))
@@ -111,8 +156,15 @@ def _train(args: argparse.Namespace, comm) -> int:
         solver = AsyncSolver(param, path=args.solver, threads=args.threads, log=log,
                              replicas=args.replicas, staleness=args.staleness)
     else:
+        replicas, others = args.replicas, None
+        if len(gpus) > 1:  # one replica per GPU, each taking batch_size samples
+            from purine.graph import Location
+
+            replicas, others = len(gpus), [Location("gpu", i) for i in gpus[1:]]
+            log.info("Training on GPUs %s (one replica each)", ",".join(map(str, gpus)))
         solver = Solver(param, path=args.solver, threads=args.threads, log=log,
-                        replicas=args.replicas, comm=comm)
+                        replicas=replicas, comm=comm, replica_locations=others,
+                        location=_location(gpus), share_memory=args.share_memory)
     for w in (args.weights or "").split(","):
         if w:
             log.info("Finetuning from %s", w)
@@ -133,11 +185,13 @@ def _train(args: argparse.Namespace, comm) -> int:
 def cmd_test(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from purine.backend import to_host
     from purine.caffe import TEST, Net
 
     log = get_logger()
-    _no_gpu(args)
-    net = Net(args.model, phase=TEST, level=args.level or 0, stages=_stages(args.stage))
+    gpus = _gpus(args)
+    net = Net(args.model, phase=TEST, level=args.level or 0, stages=_stages(args.stage),
+              location=_location(gpus))
     if args.weights:
         net.copy_from(args.weights)
     else:
@@ -150,7 +204,7 @@ def cmd_test(args: argparse.Namespace) -> int:
         out = net.forward()
         loss += net.loss
         for name, v in out.items():
-            v = np.asarray(v, dtype=np.float64).ravel()
+            v = to_host(v).astype(np.float64).ravel()
             sums[name] = sums.get(name, 0) + v
             for k, x in enumerate(v):
                 label = name if v.size == 1 else f"{name}[{k}]"
@@ -177,9 +231,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_device_query(args: argparse.Namespace) -> int:
     import os
 
+    from purine.backend import gpu_device_properties, gpu_unavailable
+
     log = get_logger()
     log.info("CPU: %d cores (numpy backend)", os.cpu_count() or 1)
-    log.info("GPU: the GPU backend is not available yet")
+    why = gpu_unavailable()
+    if why is not None:
+        if args.gpu:
+            raise PurineError(f"--gpu {args.gpu}: {why}")
+        log.info("GPU: none (%s)", why)
+        return 0
+    for i in _gpus(args) if args.gpu else _gpus(args, "all"):
+        log.info("Querying GPUs %d", i)
+        for key, value in gpu_device_properties(i).items():
+            log.info("%-28s %s", key, value)
     return 0
 
 
@@ -194,7 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "per layer, as `caffe time` does")
     _flag(p, "model", required=True, help="the net prototxt")
     _flag(p, "iterations", type=int, default=50, help="iterations to time (default 50)")
-    _flag(p, "gpu", default=None, help="GPU ids (the GPU backend is not available yet)")
+    _flag(p, "gpu", default=None, help="GPU ids: 0, or 0,1 (one replica each), or all")
+    _flag(p, "tf32", action="store_true",
+          help="TF32 tensor cores in GPU matrix products (faster, ~1e-3 relative error)")
     _flag(p, "level", type=int, default=0, help="NetState level")
     _flag(p, "stage", default=None, help="comma-separated NetState stages")
     _flag(p, "threads", type=int, default=1,
@@ -209,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "weights", default=None,
           help="comma-separated .caffemodel files to fine-tune from (copied by layer name)")
     _flag(p, "snapshot", default=None, help="a .solverstate to resume training from")
-    _flag(p, "gpu", default=None, help="GPU ids (the GPU backend is not available yet)")
+    _flag(p, "gpu", default=None, help="GPU ids: 0, or 0,1 (one replica each), or all")
+    _flag(p, "tf32", action="store_true",
+          help="TF32 tensor cores in GPU matrix products (faster, ~1e-3 relative error)")
     _flag(p, "iterations", type=int, default=None, help="override the solver's max_iter")
     _flag(p, "sigint_effect", default="stop", choices=["stop", "snapshot", "none"],
           help="what Ctrl-C does (default stop)")
@@ -223,6 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
           help="data-parallel CPU replicas, each taking batch_size samples per iteration "
                "(gradients are averaged: N replicas train as one net with N x batch_size); "
                "under mpirun, per rank")
+    p.add_argument("-share-memory", "--share-memory", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="let blobs whose lifetimes in an iteration do not overlap share "
+                        "buffers (the memory planner; default on)")
     _flag(p, "async", dest="staleness", type=int, default=None, metavar="S",
           help="asynchronous parameter-server training (Downpour style): the --replicas "
                "replicas pull the weights, compute and push their gradients on their own, "
@@ -241,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "model", required=True, help="the net prototxt")
     _flag(p, "weights", default=None, help="the .caffemodel to test")
     _flag(p, "iterations", type=int, default=50, help="batches to run (default 50)")
-    _flag(p, "gpu", default=None, help="GPU ids (the GPU backend is not available yet)")
+    _flag(p, "gpu", default=None, help="GPU ids: 0, or 0,1 (one replica each), or all")
+    _flag(p, "tf32", action="store_true",
+          help="TF32 tensor cores in GPU matrix products (faster, ~1e-3 relative error)")
     _flag(p, "level", type=int, default=None, help="NetState level")
     _flag(p, "stage", default=None, help="comma-separated NetState stages")
     p.set_defaults(run=cmd_test)

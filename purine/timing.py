@@ -6,6 +6,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from purine.backend import synchronize
 from purine.caffe.net import Net
 
 
@@ -22,6 +23,7 @@ def time_net(net: Net, iterations: int, log=None) -> Timing:
     d = net.dispatcher
     net.forward()
     net.backward()
+    synchronize(net.location)  # GPU: the warm-up is done before the clock starts
     d.profile, d.trace = True, []
     fwd = bwd = 0.0
     per_iter = []
@@ -30,6 +32,7 @@ def time_net(net: Net, iterations: int, log=None) -> Timing:
         net.forward()
         t1 = time.perf_counter()
         net.backward()
+        synchronize(net.location)
         t2 = time.perf_counter()
         fwd += t1 - t0
         bwd += t2 - t1

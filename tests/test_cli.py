@@ -12,7 +12,9 @@ import time
 import numpy as np
 import pytest
 
+from purine.backend import gpu_unavailable
 from purine.caffe import caffe_pb2 as pb
+from purine.errors import PurineError
 
 NET = """name: "tiny"
 layer { name: "data" type: "DummyData" top: "data" top: "label" dummy_data_param {
@@ -156,8 +158,10 @@ def test_user_errors_are_one_line_with_an_exit_code(tmp_path):
     assert "layer 'fc' (type InnerProduct): unknown bottom blob 'y'" in r.stderr
     r = cli("train", "--solver", str(tmp_path / "missing.prototxt"))
     assert r.returncode == 1 and "missing.prototxt: cannot read" in r.stderr
-    r = cli("train", "--solver", solver, "--gpu", "0")
-    assert r.returncode == 1 and "GPU backend is not available" in r.stderr
+    why = gpu_unavailable()
+    r = cli("train", "--solver", solver, "--gpu", "0" if why else "99")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert (f"--gpu 0: {why}" if why else "--gpu 99: this machine has") in r.stderr
 
 
 def test_time_prints_caffe_style_per_layer_lines(tmp_path):
@@ -241,3 +245,42 @@ def test_trace_keeps_the_first_iterations_test_and_display(tmp_path):
     assert "Iteration 0, Testing net (#0)" in r.stderr
     assert re.search(r"Iteration 0 \(.*\), loss = ", r.stderr)
     assert (tmp_path / "t.json").exists()
+
+
+@pytest.mark.parametrize("spec, ids", [("0", [0]), ("1,0", [1, 0]), ("all", [0, 1]),
+                                       (" 0 , 1 ", [0, 1])])
+def test_gpu_ids_as_caffe_takes_them(monkeypatch, spec, ids):
+    import purine.backend as backend
+    from purine.cli import _gpus, build_parser
+
+    monkeypatch.setattr(backend, "gpu_unavailable", lambda: None)
+    monkeypatch.setattr(backend, "gpu_count", lambda: 2)
+    monkeypatch.setattr(backend, "set_tf32", lambda on: None)
+    args = build_parser().parse_args(["train", "--solver", "s.prototxt", "--gpu", spec])
+    assert _gpus(args) == ids
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("2", "this machine has 2 GPU(s), ids 0..1"), ("0,0", "each at most once"),
+    ("zero", "expected GPU ids such as 0 or 0,1, or 'all'")])
+def test_bad_gpu_ids_are_named(monkeypatch, spec, message):
+    import purine.backend as backend
+    from purine.cli import _gpus, build_parser
+
+    monkeypatch.setattr(backend, "gpu_unavailable", lambda: None)
+    monkeypatch.setattr(backend, "gpu_count", lambda: 2)
+    args = build_parser().parse_args(["train", "--solver", "s.prototxt", "--gpu", spec])
+    with pytest.raises(PurineError, match=re.escape(f"--gpu {spec}: ") + ".*" + re.escape(message)):
+        _gpus(args)
+
+
+def test_solver_mode_gpu_without_a_gpu_trains_on_the_cpu(tmp_path):
+    """The zoo's solvers say solver_mode: GPU; on a machine without one, Caffe users get a
+    warning and a CPU run rather than a refusal."""
+    if gpu_unavailable() is None:
+        pytest.skip("this machine has a GPU: solver_mode GPU would use it")
+    solver = write_solver(tmp_path, solver_mode="GPU", max_iter=2, snapshot=0,
+                          test_interval=0)
+    r = cli("train", "--solver", solver)
+    assert r.returncode == 0, r.stderr
+    assert "solver_mode is GPU but" in r.stderr and "training on the CPU" in r.stderr
