@@ -54,6 +54,10 @@ def replicate(net: Net, param: pb.NetParameter, count: int, *, level: int = 0,
     total = count if total is None else total
     out = Replicas(count, server=Location(builder.location.device, builder.location.index,
                                           count, builder.location.host))
+    devices = [builder.location.index] + [loc.index for loc in locations or []]
+    use_nccl = (builder.location.device == "gpu" and bool(locations)
+                and all(loc.device == "gpu" for loc in locations)
+                and len(set(devices)) == count)
     masters = {p.name: p for p in builder.learnable_params}
     grads: dict[str, list[Blob]] = {name: [builder.param_grad(p)] for name, p in masters.items()}
     for r in range(1, count):
@@ -80,6 +84,9 @@ def replicate(net: Net, param: pb.NetParameter, count: int, *, level: int = 0,
         out.pass_ops += replica_ops
         for name, grad in own_grads.items():
             grad = mapped[grad.name]
+            if use_nccl:  # reduced where it is, by NCCL (below)
+                grads[name].append(grad)
+                continue
             if not shared:
                 home = graph.blob(f"replica{r}/{name}@diff@home", grad.shape, grad.dtype,
                                   out.server)
@@ -89,7 +96,32 @@ def replicate(net: Net, param: pb.NetParameter, count: int, *, level: int = 0,
             grads[name].append(grad)
         out.loss_tops += [(mapped[t.name], w) for t, w in b.loss_tops]
         out.stateful.update({f"replica{g}/{k}": s for k, s in b.stateful.items()})
+    if use_nccl:
+        out.reduce_ops = _nccl_reduce_ops(graph, grads, devices, out.server)
+        return out
     for name, gs in grads.items():
         out.reduce_ops.append(graph.op(f"all_reduce/{name}", "AllReduceMean", gs, [gs[0]],
                                        kernel(all_reduce_mean), out.server))
     return out
+
+
+def _nccl_reduce_ops(graph, grads: dict[str, list[Blob]], devices: list[int],
+                     server: Location) -> list[Op]:
+    """Per replica, one NCCL reduce op per gradient at a communication stream of its GPU,
+    chained in the order the backward pass writes the gradients (the last writer's position
+    in the graph), so every GPU issues the same collectives in the same order."""
+    from purine.parallel.nccl import NcclGroup, nccl_reduce_mean
+
+    position = {b: i for i, o in enumerate(graph.ops) for b in o.outputs}
+    order = sorted(grads, key=lambda name: position.get(grads[name][0], -1))
+    group = NcclGroup(devices)
+    ops: list[Op] = []
+    for r, device in enumerate(devices):
+        loc = server if r == 0 else Location("gpu", device, server.thread, server.host)
+        token = graph.blob(f"nccl/token{r}", (1,), "float32", loc)
+        for name in order:
+            g = grads[name][r]
+            ops.append(graph.op(f"nccl/reduce{r}/{name}", "NcclReduceMean", [g, token],
+                                [g, token], kernel(nccl_reduce_mean, group=group, rank=r),
+                                loc))
+    return ops
