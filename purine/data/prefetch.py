@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import get_array_module
+from purine.backend import assign, get_array_module
 from purine.data import DataError
 from purine.errors import PurineError
 
@@ -64,6 +64,7 @@ class Prefetcher:
     def __init__(self, make_reader: Callable[[BufferPool], Reader], depth: int, name: str):
         self.make_reader, self.depth, self.name = make_reader, int(depth), name
         self.pool = BufferPool(max(1, self.depth) + 1)
+        self.uploader: Uploader | None = None  # batches for a GPU: copied there by the thread
         self.position = 0
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
@@ -109,9 +110,22 @@ class Prefetcher:
         self.position += 1
         return batch
 
-    def recycle(self, batch: Batch) -> None:
+    def recycle(self, batch: Batch | DeviceBatch) -> None:
         """The forward op is done with ``batch``: its arrays may be filled again."""
-        self.pool.give(batch)
+        if isinstance(batch, DeviceBatch):
+            if self.uploader is not None:
+                self.uploader.give(batch)
+        else:
+            self.pool.give(batch)
+
+    def upload_to(self, device: int) -> None:
+        """Have the thread copy each batch to GPU ``device`` (on a stream of its own, so
+        the copy overlaps the computation); batches already made for elsewhere are
+        dropped and made again."""
+        if self.depth <= 0 or (self.uploader is not None and self.uploader.device == device):
+            return
+        self.stop()
+        self.uploader = Uploader(device, self.pool, limit=self.depth + 2)
 
     # -- the thread ------------------------------------------------------------------
     def _start(self) -> None:
@@ -119,7 +133,7 @@ class Prefetcher:
         self._stop = threading.Event()
         t = threading.Thread(target=_produce, name=f"prefetch {self.name}", daemon=True,
                              args=(self.make_reader, self.pool, self.position, self._queue,
-                                   self._stop))
+                                   self._stop, self.uploader))
         # The thread holds no reference to this object: once the layer is gone, it stops.
         weakref.finalize(self, self._stop.set)
         t.start()
@@ -136,7 +150,7 @@ class Prefetcher:
 
 
 def _produce(make_reader: Callable[[BufferPool], Reader], pool: BufferPool, first: int,
-             q: queue.Queue, stop: threading.Event) -> None:
+             q: queue.Queue, stop: threading.Event, upload: Uploader | None = None) -> None:
     k = first
     try:
         read = make_reader(pool)
@@ -145,7 +159,8 @@ def _produce(make_reader: Callable[[BufferPool], Reader], pool: BufferPool, firs
         return
     while not stop.is_set():
         try:
-            item = (k, read(k), None)
+            batch = read(k)
+            item = (k, batch if upload is None else upload(batch), None)
         except BaseException as e:
             item = (k, None, e)
         if not _put(q, stop, item) or item[2] is not None:
@@ -176,14 +191,79 @@ def _stop_all() -> None:
             t.join(1.0)
 
 
+class DeviceBatch:
+    """A batch already on a GPU: its arrays, the event after which they hold the batch,
+    and (once the forward op has copied them) the event after which they may be refilled."""
+
+    def __init__(self, arrays: tuple[Any, ...], ready: Any):
+        self.arrays, self.ready, self.consumed = arrays, ready, None
+
+
+class Uploader:
+    """Called in the prefetch thread: copies a host batch to GPU ``device`` on the thread's
+    own stream and gives the host arrays back at once (from pageable memory the copy call
+    returns once it has read them). Device arrays are reused once the forward op's copy
+    out of them has happened (its ``consumed`` event)."""
+
+    def __init__(self, device: int, pool: BufferPool, limit: int):
+        self.device, self.pool, self.limit = device, pool, limit
+        self._free: list[DeviceBatch] = []
+        self._lock = threading.Lock()
+        self._stream = None
+
+    def __call__(self, batch: Batch) -> DeviceBatch:
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            if self._stream is None:
+                self._stream = cupy.cuda.Stream(non_blocking=True)
+            with self._stream:
+                arrays = self._take([(np.shape(a), np.asarray(a).dtype) for a in batch])
+                for dst, a in zip(arrays, batch, strict=True):
+                    dst.set(np.ascontiguousarray(a), stream=self._stream)
+                ready = cupy.cuda.Event(block=False, disable_timing=True)
+                ready.record(self._stream)
+        self.pool.give(batch)
+        return DeviceBatch(arrays, ready)
+
+    def _take(self, spec: list[tuple]) -> tuple[Any, ...]:
+        import cupy
+
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if [(a.shape, a.dtype) for a in b.arrays] == spec:
+                    del self._free[i]
+                    if b.consumed is not None:
+                        b.consumed.synchronize()  # the forward op's copy has read them
+                    return b.arrays
+        return tuple(cupy.empty(shape, dtype) for shape, dtype in spec)
+
+    def give(self, batch: DeviceBatch) -> None:
+        with self._lock:
+            if len(self._free) < self.limit:
+                self._free.append(batch)
+
+
 def fill_tops(*tops: Any, source: Prefetcher | Any) -> None:
-    """The data layers' forward kernel: copy ``source.next()``'s arrays into the tops."""
+    """The data layers' forward kernel: copy ``source.next()``'s arrays into the tops. For
+    tops on a GPU, a prefetching source uploads its batches ahead on its own stream; the
+    op's stream waits for the upload and copies on the device."""
+    on_gpu = get_array_module(tops[0]) is not np
+    if on_gpu and isinstance(source, Prefetcher):
+        source.upload_to(tops[0].device.id)
     batch = source.next()
-    for top, value in zip(tops, batch, strict=True):
-        if get_array_module(top) is not get_array_module(value):
-            top.set(np.ascontiguousarray(value, dtype=top.dtype))  # host to device (cupy)
-        else:
+    if isinstance(batch, DeviceBatch):
+        import cupy
+
+        current = cupy.cuda.get_current_stream()
+        current.wait_event(batch.ready)
+        for top, value in zip(tops, batch.arrays, strict=True):
             top[...] = value
+        batch.consumed = cupy.cuda.Event(block=False, disable_timing=True)
+        batch.consumed.record(current)
+    else:
+        for top, value in zip(tops, batch, strict=True):
+            assign(top, value)
     recycle = getattr(source, "recycle", None)
     if recycle is not None:
         recycle(batch)
