@@ -95,15 +95,15 @@ class Dispatcher:
         self._plans: dict[tuple[Op, ...], _Plan] = {}
         self._workers: dict[Location, _Worker] = {}
         self._bound: dict[Op, tuple[list[Any], list[Any]]] = {}
+        self._events: dict[Op, Any] = {}  # the last event each recording op recorded
+        self._fence: dict[Location, Any] = {}  # per GPU stream: the end of its last run
+        self._seen_streams: set[Location] = set()
         self.memory_plan: MemoryPlan | None = None
         self._storage: dict[Blob, Buffer] = {}  # the plan's blob -> buffer key
         self._buffers: dict[Buffer, Any] = {}
         self.external: set[Blob] = set()  # blobs bound to storage from outside
         if memory_plan is not None:
             self.set_memory_plan(memory_plan)
-        self._events: dict[Op, Any] = {}  # the last event each recording op recorded
-        self._fence: dict[Location, Any] = {}  # per GPU stream: the end of its last run
-        self._seen_streams: set[Location] = set()
 
     # -- storage ----------------------------------------------------------------------
     def array(self, blob: Blob) -> Any:
