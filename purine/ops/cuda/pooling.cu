@@ -10,6 +10,32 @@
 __device__ __forceinline__ int imin(const int a, const int b) { return a < b ? a : b; }
 __device__ __forceinline__ int imax(const int a, const int b) { return a > b ? a : b; }
 
+// The window of output element i: its plane, its position, and its extent clipped to the
+// image (h0 <= h < h1, w0 <= w < w1).
+struct Window {
+    long long plane;
+    int ph, pw, h0, w0, h1, w1;
+};
+
+__device__ __forceinline__ Window window(const long long i, const int height, const int width,
+                                         const int pooled_h, const int pooled_w,
+                                         const int kernel_h, const int kernel_w,
+                                         const int stride_h, const int stride_w,
+                                         const int pad_h, const int pad_w)
+{
+    Window win;
+    win.pw = (int)(i % pooled_w);
+    win.ph = (int)((i / pooled_w) % pooled_h);
+    win.plane = i / ((long long)pooled_w * pooled_h);
+    const int hs = win.ph * stride_h - pad_h;
+    const int ws = win.pw * stride_w - pad_w;
+    win.h0 = imax(hs, 0);
+    win.w0 = imax(ws, 0);
+    win.h1 = imin(hs + kernel_h, height);
+    win.w1 = imin(ws + kernel_w, width);
+    return win;
+}
+
 template <typename M>
 __device__ __forceinline__ void max_pool_forward_impl(
     const long long n, const T* __restrict__ x, T* __restrict__ y, M* __restrict__ mask,
@@ -18,16 +44,10 @@ __device__ __forceinline__ void max_pool_forward_impl(
     const int pad_h, const int pad_w)
 {
     PURINE_LOOP(i, n) {
-        const int pw = (int)(i % pooled_w);
-        const int ph = (int)((i / pooled_w) % pooled_h);
-        const long long plane = i / ((long long)pooled_w * pooled_h);
-        const int hs = ph * stride_h - pad_h;
-        const int ws = pw * stride_w - pad_w;
-        const int h0 = imax(hs, 0);
-        const int w0 = imax(ws, 0);
-        const int h1 = imin(hs + kernel_h, height);
-        const int w1 = imin(ws + kernel_w, width);
-        const T* xs = x + plane * height * width;
+        const Window win = window(i, height, width, pooled_h, pooled_w, kernel_h, kernel_w,
+                                  stride_h, stride_w, pad_h, pad_w);
+        const int h0 = win.h0, w0 = win.w0, h1 = win.h1, w1 = win.w1;
+        const T* xs = x + win.plane * height * width;
         T best = (T)(-PURINE_FLT_MAX);
         int arg = -1;
         for (int h = h0; h < h1; ++h) {
@@ -146,21 +166,15 @@ extern "C" __global__ void ave_pool_forward(
     const int pad_w)
 {
     PURINE_LOOP(i, n) {
-        const int pw = (int)(i % pooled_w);
-        const int ph = (int)((i / pooled_w) % pooled_h);
-        const long long plane = i / ((long long)pooled_w * pooled_h);
-        const int hs = ph * stride_h - pad_h;
-        const int ws = pw * stride_w - pad_w;
-        const int h0 = imax(hs, 0);
-        const int w0 = imax(ws, 0);
-        const int h1 = imin(hs + kernel_h, height);
-        const int w1 = imin(ws + kernel_w, width);
-        const T* xs = x + plane * height * width;
+        const Window win = window(i, height, width, pooled_h, pooled_w, kernel_h, kernel_w,
+                                  stride_h, stride_w, pad_h, pad_w);
+        const int h0 = win.h0, w0 = win.w0, h1 = win.h1, w1 = win.w1;
+        const T* xs = x + win.plane * height * width;
         T sum = (T)0;
         for (int h = h0; h < h1; ++h) {
             for (int w = w0; w < w1; ++w) sum += xs[h * width + w];
         }
-        y[i] = sum / (T)pool_size(ph, pw, height, width, kernel_h, kernel_w, stride_h,
+        y[i] = sum / (T)pool_size(win.ph, win.pw, height, width, kernel_h, kernel_w, stride_h,
                                   stride_w, pad_h, pad_w);
     }
 }
