@@ -35,7 +35,7 @@ def array_module(location: Location) -> ModuleType:
 def get_array_module(*arrays: Any) -> ModuleType:
     """numpy, or cupy when any argument is a cupy array."""
     for a in arrays:
-        if type(a).__module__.startswith("cupy"):
+        if is_device_array(a):
             import cupy
 
             return cupy

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import get_array_module
+from purine.backend import get_array_module, is_device_array
 from purine.errors import PurineError
 from purine.ops.tensor import elementwise, scalar_arg
 
@@ -414,7 +414,7 @@ def _update(name: str, g: Array, lr: Array, state: tuple, state_out: tuple,
     Adam's ``it`` comes first among ``scalars``, already a kernel argument."""
     for a, b in zip(state, state_out, strict=True):
         _prime(a, b)
-    args = [s if type(s).__module__.startswith("cupy") else float(s) for s in scalars]
+    args = [s if is_device_array(s) else float(s) for s in scalars]
     _fused(name)(g, scalar_arg(lr), *args, *state_out)
 
 

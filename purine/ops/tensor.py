@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from purine.backend import copy_array
+from purine.backend import copy_array, is_device_array
 
 Array = Any
 
@@ -64,6 +64,6 @@ def elementwise(name: str, in_params: str, out_params: str, operation: str) -> A
 def scalar_arg(a: Array) -> Any:
     """A 0-d blob as a fused kernel's ``float64`` argument without a host sync: a device array
     stays on the device (cast to float64 there if needed), a host array becomes a float."""
-    if type(a).__module__.startswith("cupy"):
+    if is_device_array(a):
         return a if a.dtype == "float64" else a.astype("float64")
     return float(a)
