@@ -1,5 +1,6 @@
 """Loss and accuracy kernels (Caffe's SoftmaxWithLoss, EuclideanLoss, SigmoidCrossEntropyLoss,
-HingeLoss, Accuracy), forward and backward side by side. A loss is a 0-d array; a backward
+HingeLoss, MultinomialLogisticLoss, InfogainLoss, ContrastiveLoss, Accuracy), forward and backward
+side by side. A loss is a 0-d array; a backward
 kernel reads the loss's diff (the loss weight) and overwrites the bottom's diff."""
 
 from __future__ import annotations
@@ -8,13 +9,17 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import get_array_module
+from purine.backend import assign, get_array_module
 from purine.errors import LabelError, PurineError
 
 Array = Any
 
 # Caffe clamps probabilities at FLT_MIN before the log, whatever the Dtype.
 FLT_MIN = 1.1754943508222875e-38
+
+# Caffe's kLOG_THRESHOLD of MultinomialLogisticLoss and InfogainLoss: a float constant, so a
+# double net clamps at float(1e-20) widened to double, not at the double 1e-20.
+LOG_THRESHOLD = float(np.float32(1e-20))
 
 NORMALIZATIONS = ("FULL", "VALID", "BATCH_SIZE", "NONE")
 
@@ -223,6 +228,129 @@ def hinge_loss_backward(x: Array, label: Array, dloss: Array, dx: Array, *,
         xp.multiply(t, sign, out=d2)
         d2 *= 2
     d2 *= scale
+
+
+# -- MultinomialLogisticLoss -----------------------------------------------------------------
+def _picked_prob(prob: Array, label: Array) -> tuple[Array, Array, Array | None]:
+    """``max(prob[i, label_i], LOG_THRESHOLD)`` per sample with ``prob`` seen as (num, dim),
+    the class indices (num, 1), and the GPU's out-of-range mask."""
+    xp = get_array_module(prob)
+    num = prob.shape[0]
+    p2 = prob.reshape(num, -1)
+    index, _, bad = _class_labels(xp, label, num, p2.shape[1], 1, None)
+    picked = xp.take_along_axis(p2, index, axis=1)[:, 0]
+    return xp.maximum(picked, LOG_THRESHOLD), index, bad
+
+
+def multinomial_logistic_loss_forward(prob: Array, label: Array, loss: Array) -> None:
+    """``loss = -sum_i log(max(prob[i, label_i], LOG_THRESHOLD)) / num``: the bottom is
+    already a probability (no softmax here)."""
+    xp = get_array_module(prob)
+    picked, _, bad = _picked_prob(prob, label)
+    loss[...] = _poison(xp, -xp.log(picked).sum() / prob.shape[0], bad)
+
+
+def multinomial_logistic_loss_backward(prob: Array, label: Array, dloss: Array,
+                                       dx: Array) -> None:
+    """``dx[i, label_i] = -dloss / num / max(prob[i, label_i], LOG_THRESHOLD)``, 0 elsewhere."""
+    xp = get_array_module(prob)
+    picked, index, bad = _picked_prob(prob, label)
+    value = (-dloss / prob.shape[0]) / picked
+    if bad is not None:
+        value = xp.where(bad[:, 0], xp.nan, value)
+    d2 = dx.reshape(prob.shape[0], -1)
+    onehot = xp.arange(d2.shape[1])[None, :] == index
+    xp.multiply(onehot, value.astype(dx.dtype)[:, None], out=d2)
+
+
+# -- InfogainLoss ------------------------------------------------------------------------------
+def infogain_matrix(h: Array, *, value: np.ndarray) -> None:
+    """Write the layer's H, read once from its source file, into its blob: the blob is
+    written at every forward, so the memory planner may lend its buffer between passes."""
+    assign(h, value)
+
+
+def infogain_loss_forward(prob: Array, label: Array, h: Array, loss: Array, *, axis: int,
+                          ignore_label: int | None = None,
+                          normalization: str = "VALID") -> None:
+    """``loss = -sum_k H[label, k] log(max(prob_k, LOG_THRESHOLD)) / normalizer`` summed over
+    the labels that count; ``prob`` is the softmax along ``axis``, ``h`` holds C x C values."""
+    xp = get_array_module(prob)
+    p3 = _split(prob, axis)
+    outer, classes, inner = p3.shape
+    index, valid, bad = _class_labels(xp, label, outer, classes, inner, ignore_label)
+    rows = h.reshape(classes, classes)[index]  # (outer, inner, classes): H's row per label
+    per = -(xp.moveaxis(rows, 2, 1) * xp.log(xp.maximum(p3, LOG_THRESHOLD))).sum(axis=1)
+    per = xp.where(valid, per, 0)
+    loss[...] = _poison(xp, per.sum() / _normalizer(xp, normalization, valid, outer * inner,
+                                                    outer, prob.dtype), bad)
+
+
+def infogain_loss_backward(prob: Array, label: Array, h: Array, dloss: Array, dx: Array, *,
+                           axis: int, ignore_label: int | None = None,
+                           normalization: str = "VALID") -> None:
+    """The gradient with respect to the softmax's input: ``dx_k = (prob_k * sum_j H[label, j]
+    - H[label, k]) * dloss / normalizer``, zero where the label is ignored. (Caffe uses this
+    form, which does not see the LOG_THRESHOLD clamp of the forward pass.)"""
+    xp = get_array_module(prob)
+    p3, d3 = _split(prob, axis), _split(dx, axis)
+    outer, classes, inner = p3.shape
+    index, valid, bad = _class_labels(xp, label, outer, classes, inner, ignore_label)
+    h2 = h.reshape(classes, classes)
+    xp.multiply(p3, h2.sum(axis=1)[index][:, None, :], out=d3)
+    d3 -= xp.moveaxis(h2[index], 2, 1)
+    scale = dloss / _normalizer(xp, normalization, valid, outer * inner, outer, prob.dtype)
+    factor = xp.where(valid, scale, 0)
+    if bad is not None:
+        factor = xp.where(bad, xp.nan, factor)
+    d3 *= factor.astype(dx.dtype)[:, None, :]
+
+
+# -- ContrastiveLoss ---------------------------------------------------------------------------
+# Caffe keeps the dissimilar-pair gradient finite at distance 0 with this term.
+CONTRASTIVE_EPS = 1e-4
+
+
+def _pairs(a: Array, b: Array, y: Array) -> tuple[Array, Array, Array]:
+    """``a - b`` as (num, channels), the squared distances and the similar-pair mask; as
+    Caffe casts y to int, any y in (-1, 1) marks a dissimilar pair."""
+    xp = get_array_module(a)
+    num = a.shape[0]
+    d = (a - b.reshape(a.shape)).reshape(num, -1)
+    return d, (d * d).sum(axis=1), xp.trunc(y.reshape(num)) != 0
+
+
+def contrastive_loss_forward(a: Array, b: Array, y: Array, loss: Array, *, margin: float,
+                             legacy_version: bool = False) -> None:
+    """``loss = sum_i l_i / num / 2``: ``l = d^2`` for a similar pair, else
+    ``max(margin - d, 0)^2`` (legacy: ``max(margin - d^2, 0)``), d the Euclidean distance."""
+    xp = get_array_module(a)
+    _, dist_sq, similar = _pairs(a, b, y)
+    if legacy_version:
+        apart = xp.maximum(margin - dist_sq, 0)
+    else:
+        apart = xp.maximum(margin - xp.sqrt(dist_sq), 0) ** 2
+    loss[...] = xp.where(similar, dist_sq, apart).sum() / a.shape[0] / 2
+
+
+def contrastive_loss_backward(a: Array, b: Array, y: Array, dloss: Array, dx: Array, *,
+                              margin: float, legacy_version: bool = False,
+                              sign: float) -> None:
+    """``dx_i = c_i * (a_i - b_i)`` with ``alpha = sign * dloss / num`` (sign +1 for a, -1
+    for b) and ``c = alpha`` for a similar pair; for a dissimilar one inside the margin
+    ``c = -alpha`` (legacy) or ``-alpha * (margin - d) / (d + 1e-4)``, and 0 outside it."""
+    xp = get_array_module(a)
+    d, dist_sq, similar = _pairs(a, b, y)
+    alpha = sign * dloss / a.shape[0]
+    if legacy_version:
+        inside = margin - dist_sq
+        apart = -alpha * xp.ones_like(dist_sq)
+    else:
+        dist = xp.sqrt(dist_sq)
+        inside = margin - dist
+        apart = -alpha * inside / (dist + CONTRASTIVE_EPS)
+    coef = xp.where(similar, alpha, xp.where(inside > 0, apart, 0)).astype(dx.dtype)
+    xp.multiply(d, coef[:, None], out=dx.reshape(d.shape))
 
 
 # -- Accuracy ------------------------------------------------------------------------------

@@ -1,28 +1,36 @@
 """Builders of the loss family: Softmax, SoftmaxWithLoss, EuclideanLoss,
-SigmoidCrossEntropyLoss, HingeLoss, and Accuracy (a metric that is not a loss). Loss tops are
-scalars of shape (); a loss layer's backward reads its top's diff, the loss weight."""
+SigmoidCrossEntropyLoss, HingeLoss, MultinomialLogisticLoss, InfogainLoss, ContrastiveLoss, and
+Accuracy (a metric that is not a loss). Loss tops are scalars of shape (); a loss layer's
+backward reads its top's diff, the loss weight."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from purine.caffe import caffe_pb2 as pb
+from purine.caffe.caffemodel import blob_to_array
 from purine.caffe.layer import LayerBuild, register
 from purine.caffe.layers.common import canonical_axis
+from purine.caffe.prototxt import read_binary
+from purine.errors import ProtoError
+from purine.graph import Blob
 from purine.ops import loss as ls
 from purine.ops import softmax as sm
 
 
-def _loss_layer(L: LayerBuild, tops: tuple[int, int] = (1, 1)) -> None:
-    """Caffe's LossLayer set-up: two bottoms, a loss weight of 1 unless the prototxt gives
-    one, no forced gradient for the labels, and a top made up when the prototxt names none
-    (Caffe's AutoTopBlobs, which old prototxts rely on)."""
+def _loss_layer(L: LayerBuild, tops: tuple[int, int] = (1, 1),
+                bottoms: int | tuple[int, int] = 2) -> None:
+    """Caffe's LossLayer set-up: two bottoms (unless told), a loss weight of 1 unless the
+    prototxt gives one, no forced gradient for the labels, and a top made up when the prototxt
+    names none (Caffe's AutoTopBlobs, which old prototxts rely on)."""
     if not L.param.top:
         name = "(automatic)"
         if name in L.net.data:
             name = f"(automatic) {L.name}"
         L.param.top.append(name)
-    L.expect(2, tops)
+    L.expect(bottoms, tops)
     if not L.loss_weights:
         L.loss_weights = [1.0]
     L.no_force_backward.add(1)
@@ -156,6 +164,137 @@ def hinge_loss(L: LayerBuild):
                        norm=norm)
         if L.needs_diff(1):
             raise L.error(f"cannot backpropagate to the labels '{label.name}'")
+    return backward
+
+
+def _legacy_dims(L: LayerBuild, b: Blob) -> tuple[int, int, int]:
+    """Caffe's channels, height and width of ``b`` (1 past its axes), which exist only for
+    blobs of at most 4 axes."""
+    if len(b.shape) > 4:
+        raise L.error(f"bottom '{b.name}' {b.shape} has {len(b.shape)} axes; {L.type} takes "
+                      "blobs of at most 4 axes (num, channels, height, width)")
+    c, h, w = (b.shape[i] if i < len(b.shape) else 1 for i in (1, 2, 3))
+    return c, h, w
+
+
+def _one_label_per_sample(L: LayerBuild) -> None:
+    """Caffe's check on MultinomialLogisticLoss's labels: (N, 1, 1, 1), or fewer axes."""
+    x, label = L.bottom(0), L.bottom(1)
+    if _legacy_dims(L, label) != (1, 1, 1):
+        raise L.error(f"bottom '{label.name}' {label.shape} must hold one label per sample, "
+                      f"shaped (N,) or (N, 1, 1, 1), for bottom '{x.name}' {x.shape}")
+
+
+@register("MultinomialLogisticLoss")
+def multinomial_logistic_loss(L: LayerBuild):
+    _loss_layer(L)
+    _one_label_per_sample(L)
+    prob, label = L.bottom(0), L.bottom(1)
+    _legacy_dims(L, prob)
+    loss = L.top(0, ())
+    # No normalization or ignore_label here: Caffe always divides by the batch size.
+    L.forward(ls.multinomial_logistic_loss_forward, [prob, label], [loss])
+
+    def backward():
+        if L.needs_diff(0):
+            L.backward(ls.multinomial_logistic_loss_backward, [prob, label, L.top_diff(0)],
+                       [L.bottom_diff(0)])
+        if L.needs_diff(1):
+            raise L.error(f"cannot backpropagate to the labels '{label.name}'")
+    return backward
+
+
+def _infogain_source(L: LayerBuild, classes: int, axis: int) -> np.ndarray:
+    """H from ``infogain_loss_param.source``, a binary BlobProto of C x C values (its shape
+    does not matter, as in Caffe, only its count)."""
+    p = L.param.infogain_loss_param
+    if not p.HasField("source"):
+        raise L.error("needs the infogain matrix H: set infogain_loss_param { source: "
+                      "\"H.binaryproto\" } or give H as a third bottom")
+    try:
+        blob = read_binary(p.source, pb.BlobProto(), ".binaryproto (BlobProto)")
+        h = blob_to_array(blob)
+    except ProtoError as e:
+        raise L.error(f"infogain matrix: {e}") from None
+    if len(blob.double_data):  # kept in double, as Caffe's double nets read it
+        h = np.asarray(blob.double_data, dtype=np.float64).reshape(h.shape)
+    if h.size != classes * classes:
+        raise L.error(f"infogain matrix '{p.source}' has shape {h.shape} ({h.size} values); "
+                      f"bottom '{L.bottom(0).name}' {L.bottom(0).shape} has {classes} classes "
+                      f"along axis {axis}, so H must be {classes} x {classes}")
+    return h.reshape(classes, classes).astype(L.net.dtype)
+
+
+@register("InfogainLoss")
+def infogain_loss(L: LayerBuild):
+    _loss_layer(L, (1, 2), bottoms=(2, 3))
+    p = L.param.infogain_loss_param
+    x, label = L.bottom(0), L.bottom(1)
+    axis = canonical_axis(L, p.axis, len(x.shape))
+    _label_count(L, axis)
+    if L.param.loss_param.HasField("normalize"):
+        raise L.error("loss_param.normalize is deprecated and refused by InfogainLoss; use "
+                      "loss_param.normalization (FULL, VALID, BATCH_SIZE or NONE)")
+    params = dict(axis=axis, ignore_label=_ignore_label(L.param.loss_param),
+                  normalization=pb.LossParameter.NormalizationMode.Name(
+                      L.param.loss_param.normalization))
+    classes = x.shape[axis]
+    if len(L.bottoms) == 3:
+        h = L.bottom(2)
+        if h.count != classes * classes:
+            raise L.error(f"bottom '{h.name}' {h.shape} holds {h.count} values; bottom "
+                          f"'{x.name}' {x.shape} has {classes} classes along axis {axis}, so "
+                          f"H must be {classes} x {classes}")
+        # Caffe allows no gradient for H; a forced one is left out rather than refused.
+        L.no_force_backward.add(2)
+    else:
+        h = L.scratch("H", (classes, classes))
+        L.forward(ls.infogain_matrix, [], [h], value=_infogain_source(L, classes, axis))
+    loss = L.top(0, ())
+    # The optional second top is the softmax itself, as Caffe shares prob's data with it.
+    prob = L.top(1, x.shape) if len(L.param.top) > 1 else L.scratch("prob", x.shape)
+    L.forward(sm.softmax_forward, [x], [prob], axis=axis)
+    L.forward(ls.infogain_loss_forward, [prob, label, h], [loss], **params)
+
+    def backward():
+        # As Caffe, a gradient arriving through the prob top is not propagated.
+        if L.needs_diff(0):
+            L.backward(ls.infogain_loss_backward, [prob, label, h, L.top_diff(0)],
+                       [L.bottom_diff(0)], **params)
+        if L.needs_diff(1):
+            raise L.error(f"cannot backpropagate to the labels '{label.name}'")
+        if len(L.bottoms) == 3 and L.needs_diff(2):
+            raise L.error(f"cannot backpropagate to the infogain matrix '{h.name}'")
+    return backward
+
+
+@register("ContrastiveLoss")
+def contrastive_loss(L: LayerBuild):
+    _loss_layer(L, bottoms=3)
+    # Unlike most losses, both features take a (forced) gradient; the similarity does not.
+    L.no_force_backward.clear()
+    L.no_force_backward.add(2)
+    a, b, y = L.bottoms
+    ca, ha, wa = _legacy_dims(L, a)
+    cb, hb, wb = _legacy_dims(L, b)
+    if (ha, wa, hb, wb) != (1, 1, 1, 1) or ca != cb:
+        raise L.error(f"bottoms '{a.name}' {a.shape} and '{b.name}' {b.shape} must be feature "
+                      "pairs of one shape (N, C) or (N, C, 1, 1)")
+    if _legacy_dims(L, y) != (1, 1, 1) or y.count != a.shape[0]:
+        raise L.error(f"bottom '{y.name}' {y.shape} must hold one similarity per pair, shaped "
+                      f"({a.shape[0]},) or ({a.shape[0]}, 1, 1, 1)")
+    p = L.param.contrastive_loss_param
+    params = dict(margin=p.margin, legacy_version=p.legacy_version)
+    loss = L.top(0, ())
+    L.forward(ls.contrastive_loss_forward, [a, b, y], [loss], **params)
+
+    def backward():
+        for i, sign in ((0, 1.0), (1, -1.0)):
+            if L.needs_diff(i):
+                L.backward(ls.contrastive_loss_backward, [a, b, y, L.top_diff(0)],
+                           [L.bottom_diff(i)], sign=sign, **params)
+        if L.needs_diff(2):
+            raise L.error(f"cannot backpropagate to the similarity labels '{y.name}'")
     return backward
 
 
