@@ -137,6 +137,44 @@ def elu_backward(x: Array, y: Array, dy: Array, dx: Array, *, alpha: float) -> N
     xp.multiply(dy, factor, out=dx)
 
 
+# -- Swish, Clip ---------------------------------------------------------------------------
+def swish_forward(x: Array, y: Array, s: Array, *, beta: float) -> None:
+    """y = x * sigmoid(beta * x); ``s`` keeps sigmoid(beta * x), which the backward pass
+    reads, as Caffe keeps its inner Sigmoid layer's output. ``y`` may be ``x``: the sigmoid
+    is taken before ``y`` is written."""
+    xp = get_array_module(x)
+    xp.multiply(x, beta, out=s)
+    sigmoid_forward(s, s)
+    xp.multiply(x, s, out=y)
+
+
+def swish_backward(y: Array, s: Array, dy: Array, dx: Array, *, beta: float) -> None:
+    """dx = dy * (beta * y + s * (1 - beta * y)), from the top and the kept sigmoid (right
+    in place too)."""
+    by = y * beta
+    t = 1 - by
+    t *= s
+    t += by
+    get_array_module(y).multiply(dy, t, out=dx)
+
+
+def clip_forward(x: Array, y: Array, *, lo: float, hi: float) -> None:
+    """y = max(lo, min(x, hi)) in Caffe's order: with lo > hi every output is lo, and a NaN
+    input gives lo (``fmax`` drops the NaN that ``minimum`` keeps)."""
+    xp = get_array_module(x)
+    xp.minimum(x, hi, out=y)
+    xp.fmax(y, lo, out=y)
+
+
+def clip_backward(x: Array, dy: Array, dx: Array, *, lo: float, hi: float) -> None:
+    """dx = dy where lo <= x <= hi (both bounds pass the gradient), else 0; ``x`` is the
+    original bottom."""
+    xp = get_array_module(x)
+    inside = x >= lo
+    inside &= x <= hi
+    xp.multiply(dy, inside, out=dx)
+
+
 # -- AbsVal, BNLL, Threshold ---------------------------------------------------------------
 def absval_forward(x: Array, y: Array) -> None:
     get_array_module(x).abs(x, out=y)

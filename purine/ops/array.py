@@ -1,6 +1,7 @@
 """Array kernels (Caffe's Concat, Slice, Eltwise, Flatten/Reshape, Crop, ArgMax, Reduction,
-Tile, Embed): copies between blobs along an axis, elementwise combinations of several
-blobs, reductions and index lookups, forward and backward side by side."""
+Tile, Embed, Filter, BatchReindex): copies between blobs along an axis, elementwise
+combinations of several blobs, reductions and index lookups, forward and backward side by
+side."""
 
 from __future__ import annotations
 
@@ -273,3 +274,90 @@ def embed_backward_weight(x: Array, dy: Array, dw: Array, *, input_dim: int) -> 
 
 def embed_backward_bias(dy: Array, db: Array) -> None:
     dy.reshape(-1, db.shape[0]).sum(axis=0, out=db)
+
+
+def _scatter_add(dx: Array, idx: Array, rows: Array) -> None:
+    """dx[idx[i]] += rows[i] for every i, repeated indices summed."""
+    if get_array_module(dx) is np:
+        np.add.at(dx, idx, rows)
+    else:  # pragma: no cover - needs a GPU
+        import cupyx
+
+        cupyx.scatter_add(dx, idx, rows)
+
+
+# -- Filter ---------------------------------------------------------------------------------
+def _selected_first(selector: Array) -> tuple[Array, Array]:
+    """The item indices with the selected ones (selector != 0, NaN included) first, in
+    order, and how many are selected (a 0-d array: no host sync on a GPU)."""
+    xp = get_array_module(selector)
+    dropped = (selector.reshape(-1) == 0).astype(xp.int8)
+    # A stable sort keeps the order among the selected items (CuPy's sort is always stable).
+    kind = "stable" if xp is np else None
+    return xp.argsort(dropped, kind=kind), dropped.size - dropped.sum()
+
+
+def filter_forward(*arrays: Array, bottoms: int) -> None:
+    """``x_1..x_K, selector, y_1..y_K``: each y holds its x's selected items, in order. The
+    tops' first axis was fixed when the net was built; a selector that selects another
+    number of items is an error on the host, and turns the tops to NaN on a GPU (where
+    reading the count back would stall the stream)."""
+    xs, selector, ys = arrays[:bottoms], arrays[bottoms], arrays[bottoms + 1:]
+    xp = get_array_module(selector)
+    order, count = _selected_first(selector)
+    rows = ys[0].shape[0]
+    if xp is np and int(count) != rows:
+        raise PurineError(
+            f"Filter selector {tuple(selector.shape)} selects {int(count)} of "
+            f"{selector.shape[0]} items, but the tops were built with {rows}: blob shapes are "
+            "fixed when the net is built, so every forward must select that many items")
+    keep = order[:rows]
+    for x, y in zip(xs, ys, strict=True):
+        xp.take(x, keep, axis=0, out=y)
+        if xp is not np:
+            xp.copyto(y, xp.nan, where=count != rows)
+
+
+def filter_backward(selector: Array, dy: Array, dx: Array) -> None:
+    """Each selected item's gradient goes back to its row; the other rows get zero."""
+    order, _ = _selected_first(selector)
+    dx[...] = 0
+    dx[order[:dy.shape[0]]] = dy
+
+
+# -- BatchReindex ---------------------------------------------------------------------------
+def _reindex(permut: Array, num: int, check: bool) -> tuple[Array, Array | None]:
+    """The indices ``permut`` holds as floats, truncated toward zero as Caffe's int cast
+    does; with ``check``, a value outside [0, num) is an error (a fraction inside passes, as
+    in Caffe). On a GPU the bad positions come back as a mask (their index clamped into
+    range) and the caller writes NaN there instead."""
+    xp = get_array_module(permut)
+    bad = ~((permut >= 0) & (permut < num))  # NaN fails both comparisons: bad
+    idx = xp.trunc(xp.where(bad, 0, permut)).astype(xp.int64)
+    if xp is not np:
+        return idx, bad
+    if check and bool(bad.any()):
+        pos = int(xp.argmax(bad))
+        raise PurineError(
+            f"BatchReindex index {float(permut[pos])!r} at position {pos} of the index bottom "
+            f"{tuple(permut.shape)} is outside [0, {num}), the first axis of the data bottom "
+            f"({int(bad.sum())} bad index(es) in all)")
+    return idx, None
+
+
+def batch_reindex_forward(x: Array, permut: Array, y: Array) -> None:
+    """y[i] = x[permut[i]]: the items of ``x`` in the order (and multiplicity) ``permut``
+    gives."""
+    xp = get_array_module(x)
+    idx, bad = _reindex(permut, x.shape[0], check=True)
+    xp.take(x, idx, axis=0, out=y)
+    if bad is not None:
+        xp.copyto(y, xp.nan, where=bad.reshape((-1,) + (1,) * (y.ndim - 1)))
+
+
+def batch_reindex_backward(permut: Array, dy: Array, dx: Array) -> None:
+    """dx[j] = the sum of dy[i] over every i with permut[i] == j; zero for an item never
+    picked."""
+    idx, _ = _reindex(permut, dx.shape[0], check=False)
+    dx[...] = 0
+    _scatter_add(dx, idx, dy)

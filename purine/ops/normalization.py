@@ -1,6 +1,6 @@
-"""Normalization kernels: BatchNorm (batch or running statistics), Scale and Bias (a per-slice
-factor or offset broadcast over a blob viewed as (outer, dim, inner)). Forward and backward side
-by side; outputs may alias inputs (in-place layers)."""
+"""Normalization kernels: BatchNorm (batch or running statistics), MVN (per-group mean and
+variance), Scale and Bias (a per-slice factor or offset broadcast over a blob viewed as (outer,
+dim, inner)). Forward and backward side by side; outputs may alias inputs (in-place layers)."""
 
 from __future__ import annotations
 
@@ -77,6 +77,49 @@ def batch_norm_backward_global(dy: Array, inv_std: Array, dx: Array, *, channels
     """With fixed statistics the layer is affine per channel."""
     xp = get_array_module(dy)
     xp.multiply(_ncs(dy, channels), _per_channel(inv_std), out=_ncs(dx, channels))
+
+
+# -- MVN ------------------------------------------------------------------------------------
+# A blob is viewed as (groups, dim): one group per (n, c) plane, or per n across channels.
+
+def mvn_forward(x: Array, y: Array, *std: Array, groups: int, eps: float) -> None:
+    """y = x - mean(x) per group; with a ``std`` output (normalize_variance) also divided by
+    sqrt(var) + eps, eps added after the root, var the biased variance. ``std`` keeps that
+    divisor for the backward pass; ``y`` may be ``x``."""
+    xp = get_array_module(x)
+    x2, y2 = x.reshape(groups, -1), y.reshape(groups, -1)
+    mean = x2.mean(axis=1, keepdims=True)
+    xp.subtract(x2, mean, out=y2)
+    if std:
+        s = std[0]
+        xp.sqrt((y2 * y2).mean(axis=1), out=s)
+        s += eps
+        y2 /= s[:, None]
+
+
+def mvn_backward(y: Array, std: Array, dy: Array, dx: Array, *, groups: int) -> None:
+    """normalize_variance: dx = (dy - (y * sum(y * dy) + sum(dy)) / dim) / std, sums per
+    group. This is Caffe's gradient, which treats the divisor as sqrt(var) and so is exact
+    only as eps goes to 0 (off by a factor of about 1 + eps / sqrt(var) in one term).
+    ``dx`` may be ``dy``."""
+    xp = get_array_module(dy)
+    y2, dy2 = y.reshape(groups, -1), dy.reshape(groups, -1)
+    dim = y2.shape[1]
+    sum_ydy = xp.einsum("gd,gd->g", y2, dy2)[:, None]
+    sum_dy = dy2.sum(axis=1, keepdims=True)
+    t = y2 * sum_ydy
+    t += sum_dy
+    t *= -1.0 / dim
+    t += dy2
+    t /= std[:, None]
+    dx.reshape(groups, -1)[...] = t
+
+
+def mvn_backward_mean(dy: Array, dx: Array, *, groups: int) -> None:
+    """Without normalize_variance: dx = dy - mean(dy) per group."""
+    xp = get_array_module(dy)
+    dy2 = dy.reshape(groups, -1)
+    xp.subtract(dy2, dy2.mean(axis=1, keepdims=True), out=dx.reshape(groups, -1))
 
 
 # -- Scale and Bias -------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Builders of Caffe's array layers: Concat, Slice, Eltwise, Flatten, Reshape, Crop, ArgMax,
-Silence, Reduction, Tile and Embed. Shape rules, defaults and errors follow BVLC Caffe's
-Reshape/LayerSetUp checks; the kernels are in purine.ops.array."""
+Silence, Reduction, Tile, Embed, Parameter, Filter and BatchReindex. Shape rules, defaults and
+errors follow BVLC Caffe's Reshape/LayerSetUp checks; the kernels are in purine.ops.array."""
 
 from __future__ import annotations
 
@@ -410,4 +410,81 @@ def embed(L: LayerBuild):
             L.backward(arr.embed_backward_weight, [x, dy], [L.param_diff(0)], input_dim=k)
         if b is not None and L.needs_param_diff(1):
             L.backward(arr.embed_backward_bias, [dy], [L.param_diff(1)])
+    return backward
+
+
+@register("Parameter")
+def parameter(L: LayerBuild):
+    L.expect(0, 1)
+    dims = list(L.param.parameter_param.shape.dim)
+    if any(d < 0 for d in dims):
+        raise L.error(f"parameter_param.shape {dims} has a negative dimension")
+    # Caffe leaves the blob zero until a caffemodel or a solver fills it: no filler.
+    w = L.add_param(dims, None)
+    # The top is the parameter's data, as Caffe shares it; the top's gradient (summed by a
+    # Split when several layers read it) is the parameter's.
+    L.alias_top(0, w)
+
+    def backward():
+        if L.needs_param_diff(0):
+            L.backward(tensor.copy, [L.top_diff(0)], [L.param_diff(0)],
+                       op_type="ParameterBackward")
+    return backward
+
+
+@register("Filter")
+def filter_layer(L: LayerBuild):
+    L.expect((2, None), (1, None))
+    *xs, sel = L.bottoms
+    if len(L.param.top) != len(xs):
+        raise L.error(f"{len(xs)} bottom(s) to filter and a selector need {len(xs)} top(s), "
+                      f"got {len(L.param.top)}")
+    _not_in_place(L, "a top has fewer items than its bottom in Caffe")
+    if not sel.shape or any(d != 1 for d in sel.shape[1:]):
+        raise L.error(f"the selector (last bottom) '{sel.name}' {sel.shape} must be (N,) or "
+                      "(N, 1, ...): one value per item")
+    for x in xs:
+        if not x.shape or x.shape[0] != sel.shape[0]:
+            raise L.error(f"bottom '{x.name}' {x.shape} must have as many items (axis 0) as "
+                          f"the selector '{sel.name}' {sel.shape} has values "
+                          f"({sel.shape[0]})")
+    # Caffe sizes the tops to the selected count at every forward, and to the full batch at
+    # set-up. Blob shapes are fixed here, so the tops keep the set-up shape and the forward
+    # op refuses a selector that selects fewer items (see arr.filter_forward).
+    ys = [L.top(i, x.shape) for i, x in enumerate(xs)]
+    L.forward(arr.filter_forward, [*xs, sel], ys, bottoms=len(xs))
+    L.no_force_backward.add(len(xs))
+
+    def backward():
+        if L.needs_diff(len(xs)):
+            raise L.error(f"cannot propagate a gradient to its selector bottom '{sel.name}'; "
+                          "set propagate_down: false for it")
+        for i in range(len(xs)):
+            if L.needs_diff(i):
+                L.backward(arr.filter_backward, [sel, L.top_diff(i)], [L.bottom_diff(i)])
+    return backward
+
+
+@register("BatchReindex")
+def batch_reindex(L: LayerBuild):
+    L.expect(2, 1)
+    _not_in_place(L, "the top is gathered from the bottom's items")
+    x, permut = L.bottoms
+    if not x.shape:
+        raise L.error(f"bottom '{x.name}' has no axes; BatchReindex picks items along axis 0")
+    if len(permut.shape) != 1:
+        raise L.error(f"the index bottom '{permut.name}' {permut.shape} must have exactly one "
+                      "axis: (M,) indices into the first axis of bottom "
+                      f"'{x.name}' {x.shape}")
+    y = L.top(0, permut.shape + x.shape[1:])
+    L.forward(arr.batch_reindex_forward, [x, permut], [y])
+    L.no_force_backward.add(1)
+
+    def backward():
+        if L.needs_diff(1):
+            raise L.error(f"cannot propagate a gradient to its index bottom '{permut.name}'; "
+                          "set propagate_down: false for it")
+        if L.needs_diff(0):
+            L.backward(arr.batch_reindex_backward, [permut, L.top_diff(0)],
+                       [L.bottom_diff(0)])
     return backward

@@ -104,6 +104,44 @@ def elu(L: LayerBuild):
     return backward
 
 
+@register("Swish")
+def swish(L: LayerBuild):
+    x, _ = _neuron(L)
+    beta = L.param.swish_param.beta
+    y = L.top(0, x.shape)
+    # sigmoid(beta x), kept for the backward pass: with the top it gives the gradient
+    # without the bottom, so in place needs no copy (as in Caffe).
+    s = L.scratch("sigmoid", x.shape)
+    L.forward(act.swish_forward, [x], [y, s], beta=beta)
+
+    def backward():
+        if L.needs_diff(0):
+            L.backward(act.swish_backward, [y, s, L.top_diff(0)], [L.bottom_diff(0)],
+                       beta=beta)
+    return backward
+
+
+@register("Clip")
+def clip(L: LayerBuild):
+    x, _ = _neuron(L)
+    p = L.param.clip_param
+    missing = [f for f in ("min", "max") if not p.HasField(f)]
+    if missing:
+        raise L.error(f"clip_param.{' and clip_param.'.join(missing)} must be given "
+                      "(both bounds are required)")
+    k = dict(lo=p.min, hi=p.max)
+    # The gradient mask needs the bottom: in place, Caffe would test the clipped top, which
+    # always lies within the bounds; the copy keeps the mask right.
+    src = L.saved(0)
+    y = L.top(0, x.shape)
+    L.forward(act.clip_forward, [x], [y], **k)
+
+    def backward():
+        if L.needs_diff(0):
+            L.backward(act.clip_backward, [src, L.top_diff(0)], [L.bottom_diff(0)], **k)
+    return backward
+
+
 @register("AbsVal")
 def absval(L: LayerBuild):
     x, in_place = _neuron(L)

@@ -1,6 +1,7 @@
 """Builders of the normalization family: BatchNorm (statistics kept in three lr_mult-0
-parameter blobs, updated by the forward op in TRAIN), Scale and Bias (a learned or second-bottom
-factor / offset broadcast over bottom[0] from ``axis`` on)."""
+parameter blobs, updated by the forward op in TRAIN), MVN (mean and variance normalization per
+plane or per sample), Scale and Bias (a learned or second-bottom factor / offset broadcast over
+bottom[0] from ``axis`` on)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,38 @@ def batch_norm(L: LayerBuild):
         else:
             L.backward(norm.batch_norm_backward_train, [L.top_diff(0), x_norm, inv_std],
                        [L.bottom_diff(0)], channels=channels)
+    return backward
+
+
+@register("MVN")
+def mvn(L: LayerBuild):
+    L.expect(1, 1)
+    p = L.param.mvn_param
+    x = L.bottom(0)
+    if len(x.shape) > 4:
+        raise L.error(f"bottom '{x.name}' {x.shape} has {len(x.shape)} axes; MVN reads it as "
+                      "(num, channels, height, width), so at most 4")
+    if x.count == 0:
+        raise L.error(f"bottom '{x.name}' {x.shape} is empty; MVN needs at least one entry")
+    # Caffe sizes the top by the legacy 4-axis view, so an (N, D) bottom gives (N, D, 1, 1),
+    # and normalizes each (n, c) plane, or each sample with across_channels.
+    legacy = tuple(x.shape[i] if i < len(x.shape) else 1 for i in range(4))
+    groups = legacy[0] if p.across_channels else legacy[0] * legacy[1]
+    y = L.top(0, legacy)
+    std = [L.scratch("std", (groups,))] if p.normalize_variance else []
+    L.forward(norm.mvn_forward, [x], [y, *std], groups=groups, eps=p.eps)
+
+    def backward():
+        if not L.needs_diff(0):
+            return
+        # Both gradients come from the top (and the kept divisor), never the bottom, so in
+        # place needs no copy.
+        if p.normalize_variance:
+            L.backward(norm.mvn_backward, [y, std[0], L.top_diff(0)], [L.bottom_diff(0)],
+                       groups=groups)
+        else:
+            L.backward(norm.mvn_backward_mean, [L.top_diff(0)], [L.bottom_diff(0)],
+                       groups=groups)
     return backward
 
 
