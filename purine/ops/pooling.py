@@ -1,7 +1,7 @@
-"""Pooling kernels (Caffe's Pooling layer: MAX with its argmax mask, AVE), vectorized over
-everything but the kernel offsets. Windows follow Caffe: MAX ignores padding, AVE divides by
-the window clipped to the padded image (H + pad), counting padding but nothing beyond it.
-On a GPU our pooling kernels compute the same, one thread per element.
+"""Pooling kernels (Caffe's Pooling: MAX with its argmax mask, AVE, STOCHASTIC) and Im2col's
+window gather, vectorized over everything but the kernel offsets. Windows follow Caffe: MAX
+ignores padding, AVE divides by the window clipped to the padded image, STOCHASTIC has none.
+On a GPU: our CUDA kernels for MAX and AVE; STOCHASTIC and Im2col as CuPy array operations.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import cuda, get_array_module, host_parallel
+from purine.backend import RandomStream, cuda, get_array_module, host_parallel
 
 Array = Any
 
@@ -249,6 +249,128 @@ def ave_pool_backward(dy: Array, dx: Array, *, geom: PoolGeometry) -> None:
            out=dx.reshape(planes * g.height, g.width))
 
 
+# -- STOCHASTIC: Caffe has it on the GPU only; here it runs on every device with the GPU
+# kernels' semantics. Caffe refuses padding for it, so a window is rows ph*stride_h on,
+# clipped to the image; the zero border of ``_padded`` (for the overhang of a ceil-rounded
+# last window) adds nothing to a window's sums and is never picked (see below).
+
+# Caffe starts TEST's denominator at FLT_MIN, whatever the Dtype, so that an all-zero
+# window gives 0 rather than 0 / 0.
+FLT_MIN = float(np.finfo(np.float32).tiny)
+
+
+def _offsets(g: PoolGeometry) -> list[tuple[int, int]]:
+    """The kernel offsets (i, j) in Caffe's scan order (row by row)."""
+    return [(o // g.kernel_w, o % g.kernel_w) for o in range(g.kernel_h * g.kernel_w)]
+
+
+def stochastic_pool_forward_train(x: Array, y: Array, index: Array, *, geom: PoolGeometry,
+                                  rng: RandomStream) -> None:
+    """Training: each window picks one of its positions with probability value / window sum
+    and outputs that value; ``index`` = the plane index h*W + w of the pick (-1: none).
+
+    As Caffe: u uniform in (0, 1] per window, threshold = u * sum rounded to float32, and
+    the pick is the first position in scan order whose running sum reaches the threshold
+    (an all-zero window picks its first position). Inputs are meant to be non-negative;
+    a window no position reaches (a negative sum) and a window wholly outside the image
+    output 0 and pass no gradient, where Caffe leaves the output as it was."""
+    g = geom
+    xp = get_array_module(x)
+    xpad = _padded(xp, _planes(x, g, False), g, 0.0)
+    y4, i4 = _planes(y, g, True), _planes(index, g, True)
+    offsets = _offsets(g)
+    total = xp.zeros(y4.shape, dtype=x.dtype)
+    for i, j in offsets:  # summed in scan order, as Caffe's loop rounds
+        total += _window(xpad, g, i, j)
+    # The whole batch draws at once from the layer's host stream, so the picks do not
+    # depend on the device or on how the batch is split.
+    u = xp.asarray((1.0 - rng.next().random(y4.shape)).astype(x.dtype))
+    threshold = (u * total).astype(np.float32).astype(x.dtype)
+    none = len(offsets)
+    code = xp.full(y4.shape, none, dtype=np.int32)  # the kernel offset picked
+    running = xp.zeros_like(total)
+    hit = xp.empty(y4.shape, dtype=bool)
+    y4.fill(0)
+    for o, (i, j) in enumerate(offsets):
+        cur = _window(xpad, g, i, j)
+        running += cur
+        # A border zero cannot be the first to reach the threshold: the position before
+        # it in scan order (offset (0, 0) is always inside) has the same running sum.
+        xp.greater_equal(running, threshold, out=hit)
+        hit &= code == none
+        xp.copyto(code, o, where=hit)
+        xp.copyto(y4, cur, where=hit)
+    plane_offsets = xp.asarray([i * g.width + j for i, j in offsets] + [0])
+    picked = plane_offsets[code] + _window_starts(xp, g)
+    i4[...] = xp.where(code == none, -1, picked)
+    if g.empty_rows or g.empty_cols:
+        for region in (np.s_[:, :, g.pooled_h - g.empty_rows:],
+                       np.s_[..., g.pooled_w - g.empty_cols:]):
+            y4[region] = 0
+            i4[region] = -1
+
+
+def stochastic_pool_backward(dy: Array, index: Array, dx: Array, *, geom: PoolGeometry
+                             ) -> None:
+    """dx = dy routed to each window's pick (``index``, -1: nowhere); overlapping windows
+    add up."""
+    g = geom
+    xp = get_array_module(dy)
+    if xp is not np:
+        # MAX's gather kernel: it compares each covering window's index with the pixel's.
+        _gpu_max_pool_backward(xp, cuda.kernel, dy, index, dx, g)
+        return
+    i4, dy4 = _planes(index, g, True), _planes(dy, g, True)
+    plane = g.height * g.width
+    base = xp.arange(g.num * g.channels, dtype=np.int64).reshape(g.num, g.channels, 1, 1)
+    valid = i4 >= 0
+    target = (i4.astype(np.int64) + base * plane)[valid]
+    flat = dx.reshape(-1)
+    flat.fill(0)
+    _scatter_add(xp, flat, target, dy4[valid])
+
+
+def _stochastic_sums(xp: Any, xpad: Array, g: PoolGeometry, dtype: Any) -> tuple[Array, Array]:
+    """Per window: FLT_MIN + the sum of its values, and the sum of their squares, each
+    accumulated in scan order as Caffe's TEST kernel does."""
+    shape = (g.num, g.channels, g.pooled_h, g.pooled_w)
+    total = xp.full(shape, FLT_MIN, dtype=dtype)
+    squares = xp.zeros(shape, dtype=dtype)
+    for i, j in _offsets(g):
+        cur = _window(xpad, g, i, j)
+        total += cur
+        squares += cur * cur
+    return total, squares
+
+
+def stochastic_pool_forward_test(x: Array, y: Array, *, geom: PoolGeometry) -> None:
+    """Testing: the probability-weighted average of each window, sum(x^2) / (FLT_MIN +
+    sum(x)); 0 for an all-zero window."""
+    g = geom
+    xp = get_array_module(x)
+    total, squares = _stochastic_sums(xp, _padded(xp, _planes(x, g, False), g, 0.0), g,
+                                      x.dtype)
+    xp.divide(squares, total, out=_planes(y, g, True))
+
+
+def stochastic_pool_backward_test(x: Array, dy: Array, dx: Array, *, geom: PoolGeometry
+                                  ) -> None:
+    """The gradient of the TEST output: d(S2 / S1)/dx = (2x - y) / S1 per covering window
+    (S1 with its FLT_MIN). Caffe's TEST backward reuses whatever sample indices it last
+    drew, which defines nothing; this differentiates the forward it computed."""
+    g = geom
+    xp = get_array_module(dy)
+    xpad = _padded(xp, _planes(x, g, False), g, 0.0)
+    total, squares = _stochastic_sums(xp, xpad, g, dy.dtype)
+    y = squares / total
+    coeff = _planes(dy, g, True) / total
+    acc = xp.zeros(xpad.shape, dtype=dy.dtype)
+    for i, j in _offsets(g):
+        # One offset's windows never share a pixel, so the strided add is a plain one.
+        _window(acc, g, i, j)[...] += coeff * (2 * _window(xpad, g, i, j) - y)
+    _planes(dx, g, False)[...] = acc[:, :, :g.height, :g.width]
+
+
 # -- GPU: one thread per output element (forward) or input element (backward, a gather over
 # the windows that cover it). ``kernels(family, name, dtype) -> launch`` is passed in so
 # that the tests run these wrappers with the CUDA sources emulated on the CPU.
@@ -286,3 +408,73 @@ def _gpu_max_pool_backward(xp: Any, kernels: Any, dy: Array, mask: Array, dx: Ar
 
 def _gpu_ave_pool(kernels: Any, name: str, src: Array, dst: Array, g: PoolGeometry) -> None:
     kernels("pooling", name, src.dtype)(dst.size, src, dst, *_gpu_geometry(g))
+
+
+# -- Im2col: every kernel window of an N-d image laid out as channels, in Caffe's order.
+
+@dataclass(frozen=True)
+class Im2colGeometry:
+    """Input (num, channels, *size) to output (num, channels * prod(kernel), *out): output
+    channel (c, k_1, ..., k_d) in row-major order holds input channel c at kernel offset
+    (k_1, ..., k_d) of each window, as Caffe's im2col and im2col_nd order them."""
+
+    num: int
+    channels: int
+    size: tuple[int, ...]
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    pad: tuple[int, ...]
+    dilation: tuple[int, ...]
+
+    @property
+    def out(self) -> tuple[int, ...]:
+        return tuple((n + 2 * p - (d * (k - 1) + 1)) // s + 1 for n, k, s, p, d in zip(
+            self.size, self.kernel, self.stride, self.pad, self.dilation, strict=True))
+
+    @property
+    def padded(self) -> tuple[int, ...]:
+        return tuple(n + 2 * p for n, p in zip(self.size, self.pad, strict=True))
+
+    def inner(self) -> tuple[slice, ...]:
+        """The image inside a padded copy."""
+        return (slice(None), slice(None)) + tuple(
+            slice(p, p + n) for n, p in zip(self.size, self.pad, strict=True))
+
+    def windows(self, xp: Any, a: Array) -> Array:
+        """The strided (num, channels, *kernel, *out) view of every window of the padded
+        array ``a`` (num, channels, *padded); no copy."""
+        spatial = a.strides[2:]
+        strides = (a.strides[:2] + tuple(d * t for d, t in zip(self.dilation, spatial,
+                                                                strict=True))
+                   + tuple(s * t for s, t in zip(self.stride, spatial, strict=True)))
+        return xp.lib.stride_tricks.as_strided(
+            a, shape=(self.num, self.channels) + self.kernel + self.out, strides=strides)
+
+
+def im2col_forward(x: Array, y: Array, *, geom: Im2colGeometry) -> None:
+    """y = the windows of x (zero padded), one output channel per (channel, kernel offset)."""
+    g = geom
+    xp = get_array_module(x)
+    x_nd = x.reshape((g.num, g.channels) + g.size)
+    if any(g.pad):
+        xpad = xp.zeros((g.num, g.channels) + g.padded, dtype=x.dtype)
+        xpad[g.inner()] = x_nd
+    else:
+        xpad = xp.ascontiguousarray(x_nd)
+    y.reshape((g.num, g.channels) + g.kernel + g.out)[...] = g.windows(xp, xpad)
+
+
+def im2col_backward(dy: Array, dx: Array, *, geom: Im2colGeometry) -> None:
+    """col2im: dx = the sum of dy over every window position that reads each pixel."""
+    g = geom
+    xp = get_array_module(dy)
+    d = len(g.kernel)
+    dy_nd = dy.reshape((g.num, g.channels) + g.kernel + g.out)
+    acc = xp.zeros((g.num, g.channels) + g.padded, dtype=dy.dtype)
+    for offset in np.ndindex(*g.kernel):
+        # Within one kernel offset the windows read distinct pixels: a plain strided add.
+        index = (slice(None), slice(None)) + tuple(
+            slice(k * dl, k * dl + s * (n - 1) + 1, s)
+            for k, dl, s, n in zip(offset, g.dilation, g.stride, g.out, strict=True))
+        acc[index] += dy_nd[(slice(None), slice(None)) + offset + (slice(None),) * d]
+    dx.reshape((g.num, g.channels) + g.size)[...] = acc[g.inner()]

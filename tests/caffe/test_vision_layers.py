@@ -635,8 +635,6 @@ def test_conv_kernels_keep_float32(monkeypatch, path):
 
 # -- errors ----------------------------------------------------------------------------------
 ERRORS = [
-    ("Pooling", "pooling_param { pool: STOCHASTIC kernel_size: 2 }", (1, 1, 4, 4),
-     "STOCHASTIC pooling is not supported"),
     ("Pooling", "pooling_param { kernel_size: 2 kernel_h: 2 kernel_w: 2 }", (1, 1, 4, 4),
      "not both"),
     ("Pooling", "pooling_param { kernel_h: 2 }", (1, 1, 4, 4), "given together"),

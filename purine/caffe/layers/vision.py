@@ -1,15 +1,18 @@
 """Builders of the vision layers: Convolution and Deconvolution (one weight shared by every
-bottom/top pair, as in Caffe), Pooling (MAX with its argmax mask, AVE; Caffe's ceil-rounded
-output size) and LRN (across channels and within a channel)."""
+bottom/top pair, as in Caffe), Pooling (MAX with its argmax mask, AVE, STOCHASTIC; Caffe's
+ceil-rounded output size), SPP (pooling pyramids), Im2col and LRN."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.layer import LayerBuild, register
 from purine.caffe.layers.common import canonical_axis
-from purine.ops import conv, lrn, pooling
+from purine.graph import Blob
+from purine.ops import array as arr
+from purine.ops import conv, lrn, pooling, tensor
 
 
 def _no_in_place(L: LayerBuild) -> None:
@@ -173,18 +176,52 @@ def _pooled(size: int, kernel: int, stride: int, pad: int, ceil: bool) -> int:
     return pooled
 
 
-@register("Pooling")
-def pooling_layer(L: LayerBuild):
-    p = L.param.pooling_param
-    if p.pool == pb.PoolingParameter.STOCHASTIC:
-        raise L.error("STOCHASTIC pooling is not supported; use MAX or AVE")
-    is_max = p.pool == pb.PoolingParameter.MAX
-    L.expect(1, (1, 2 if is_max else 1))
-    _no_in_place(L)
+PoolBackward = Callable[[Blob, Blob], object]  # adds the backward op (dy, dx)
+
+
+def _pool(L: LayerBuild, x: Blob, y: Blob, geom: pooling.PoolGeometry, method: int,
+          mask: Blob | None = None, tag: str = "") -> PoolBackward:
+    """Add the forward op pooling ``x`` into ``y`` (any shape of ``geom``'s output count);
+    returns the function that adds its backward op from a top gradient to a bottom one.
+    ``mask`` is MAX's optional mask top; ``tag`` tells apart the scratch blobs of several
+    poolings in one layer."""
+    P = pb.PoolingParameter
+    shape = (geom.num, geom.channels, geom.pooled_h, geom.pooled_w)
+    if method == P.MAX:
+        # The argmax: Caffe's private max_idx_, or the optional second top (as floats).
+        m = mask if mask is not None else L.scratch(f"mask{tag}", shape, "int32")
+        L.forward(pooling.max_pool_forward, [x], [y, m], geom=geom)
+        return lambda dy, dx: L.backward(pooling.max_pool_backward, [dy, m], [dx], geom=geom)
+    if method == P.AVE:
+        L.forward(pooling.ave_pool_forward, [x], [y], geom=geom)
+        return lambda dy, dx: L.backward(pooling.ave_pool_backward, [dy], [dx], geom=geom)
+    if L.phase == pb.TRAIN:
+        # Caffe's rand_idx_: where each window's sample was taken, for the backward pass.
+        index = L.scratch(f"rand_idx{tag}", shape, "int32")
+        L.forward(pooling.stochastic_pool_forward_train, [x], [y, index], geom=geom,
+                  rng=L.random_stream())
+        return lambda dy, dx: L.backward(pooling.stochastic_pool_backward, [dy, index], [dx],
+                                         geom=geom)
+    L.forward(pooling.stochastic_pool_forward_test, [x], [y], geom=geom)
+    return lambda dy, dx: L.backward(pooling.stochastic_pool_backward_test, [x, dy], [dx],
+                                     geom=geom)
+
+
+def _four_axes(L: LayerBuild) -> Blob:
     x = L.bottom(0)
     if len(x.shape) != 4:
         raise L.error(f"bottom '{x.name}' {x.shape} must have 4 axes (num, channels, "
                       "height, width)")
+    return x
+
+
+@register("Pooling")
+def pooling_layer(L: LayerBuild):
+    p = L.param.pooling_param
+    is_max = p.pool == pb.PoolingParameter.MAX
+    L.expect(1, (1, 2 if is_max else 1))
+    _no_in_place(L)
+    x = _four_axes(L)
     n, c, h, w = x.shape
     if p.global_pooling:
         if p.HasField("kernel_size") or p.HasField("kernel_h") or p.HasField("kernel_w"):
@@ -199,6 +236,9 @@ def pooling_layer(L: LayerBuild):
                       f"pad {pad} and stride {stride}")
     if min(kernel) < 1 or min(stride) < 1:
         raise L.error(f"kernel size {kernel} and stride {stride} must be positive")
+    if p.pool == pb.PoolingParameter.STOCHASTIC and pad != (0, 0):
+        raise L.error(f"padding is implemented for MAX and AVE pooling only; STOCHASTIC "
+                      f"pooling got pad {pad}")
     if pad[0] >= kernel[0] or pad[1] >= kernel[1]:
         raise L.error(f"pad {pad} must be smaller than the kernel {kernel}")
     ceil = p.round_mode == pb.PoolingParameter.CEIL
@@ -209,22 +249,116 @@ def pooling_layer(L: LayerBuild):
                       f"kernel {kernel}, stride {stride}, pad {pad}")
     geom = pooling.PoolGeometry(n, c, h, w, *kernel, *stride, *pad, *pooled)
     y = L.top(0, (n, c) + pooled)
-    if not is_max:
-        L.forward(pooling.ave_pool_forward, [x], [y], geom=geom)
-    else:
-        # The argmax: Caffe's private max_idx_, or the optional second top (as floats).
-        mask = L.top(1, y.shape) if len(L.param.top) > 1 else L.scratch("mask", y.shape,
-                                                                          "int32")
-        L.forward(pooling.max_pool_forward, [x], [y, mask], geom=geom)
+    mask = L.top(1, y.shape) if len(L.param.top) > 1 else None
+    pool_backward = _pool(L, x, y, geom, p.pool, mask)
+
+    def backward():
+        if L.needs_diff(0):
+            pool_backward(L.top_diff(0), L.bottom_diff(0))
+    return backward
+
+
+def _spp_level(L: LayerBuild, x: Blob, level: int, stochastic: bool) -> pooling.PoolGeometry:
+    """Caffe's pooling of pyramid level ``level``: 2^level bins a side, the kernel the
+    bin size rounded up, as stride too, and padding to cover what the bins overhang."""
+    n, c, h, w = x.shape
+    bins = 2 ** level
+    kernel = (-(-h // bins), -(-w // bins))
+    pad = ((kernel[0] * bins - h + 1) // 2, (kernel[1] * bins - w + 1) // 2)
+    where = f"pyramid level {level} ({bins}x{bins} bins) of bottom '{x.name}' {x.shape}"
+    if pad[0] >= kernel[0] or pad[1] >= kernel[1]:
+        raise L.error(f"{where} needs kernel {kernel} and pad {pad}, but pooling needs the "
+                      "pad smaller than the kernel; use a lower pyramid_height or a larger "
+                      "input")
+    if stochastic and pad != (0, 0):
+        raise L.error(f"{where} needs pad {pad}, but STOCHASTIC pooling has no padding; "
+                      f"height and width must be multiples of {bins}")
+    pooled = (_pooled(h, kernel[0], kernel[0], pad[0], True),
+              _pooled(w, kernel[1], kernel[1], pad[1], True))
+    return pooling.PoolGeometry(n, c, h, w, *kernel, *kernel, *pad, *pooled)
+
+
+@register("SPP")
+def spp_layer(L: LayerBuild):
+    # Caffe's SPP is split, pooling, flatten and concat layers; here the pooling ops write
+    # their (num, channels * bins^2) level blobs directly, one concat op joins them, and
+    # the backward pass sums the levels' bottom gradients as Caffe's split does.
+    L.expect(1, 1)
+    _no_in_place(L)
+    x = _four_axes(L)
+    p = L.param.spp_param
+    if p.pyramid_height < 1:
+        raise L.error(f"spp_param.pyramid_height must be at least 1, got {p.pyramid_height}")
+    S, P = pb.SPPParameter, pb.PoolingParameter
+    method = {S.MAX: P.MAX, S.AVE: P.AVE, S.STOCHASTIC: P.STOCHASTIC}[p.pool]
+    geoms = [_spp_level(L, x, level, method == P.STOCHASTIC)
+             for level in range(p.pyramid_height)]
+    n, c = x.shape[:2]
+    if len(geoms) == 1:  # one global pooling straight into the top, 4-d as in Caffe
+        pool_backward = _pool(L, x, L.top(0, (n, c, 1, 1)), geoms[0], method)
+
+        def backward_one():
+            if L.needs_diff(0):
+                pool_backward(L.top_diff(0), L.bottom_diff(0))
+        return backward_one
+
+    levels = [L.scratch(f"level{i}", (n, c * g.pooled_h * g.pooled_w))
+              for i, g in enumerate(geoms)]
+    pool_backwards = [_pool(L, x, lv, g, method, tag=str(i))
+                      for i, (lv, g) in enumerate(zip(levels, geoms, strict=True))]
+    y = L.top(0, (n, sum(lv.shape[1] for lv in levels)))
+    L.forward(arr.concat_forward, levels, [y], op_type="SPPConcat", axis=1)
 
     def backward():
         if not L.needs_diff(0):
             return
-        if is_max:
-            L.backward(pooling.max_pool_backward, [L.top_diff(0), mask], [L.bottom_diff(0)],
-                       geom=geom)
-        else:
-            L.backward(pooling.ave_pool_backward, [L.top_diff(0)], [L.bottom_diff(0)],
+        dy, start, dxs = L.top_diff(0), 0, []
+        for i, (lv, pool_backward) in enumerate(zip(levels, pool_backwards, strict=True)):
+            dlevel = L.scratch(f"level{i}@diff", lv.shape)
+            L.backward(arr.take_slice, [dy], [dlevel], op_type="SPPConcatBackward", axis=1,
+                       start=start)
+            start += lv.shape[1]
+            dxs.append(L.scratch(f"level{i}@bottom_diff", x.shape))
+            pool_backward(dlevel, dxs[-1])
+        L.backward(tensor.sum, dxs, [L.bottom_diff(0)], op_type="SPPSplitBackward")
+    return backward
+
+
+@register("Im2col")
+def im2col_layer(L: LayerBuild):
+    # Caffe's Im2col reads kernel, stride, pad, dilation and axis from convolution_param
+    # and ignores the rest (num_output, group, bias); force_nd_im2col changes only which
+    # of Caffe's loops runs, not the result, and every number of spatial axes is served.
+    L.expect(1, 1)
+    _no_in_place(L)
+    x = L.bottom(0)
+    p = L.param.convolution_param
+    axis = canonical_axis(L, p.axis, len(x.shape))
+    spatial = len(x.shape) - axis - 1
+    if spatial < 1:
+        raise L.error(f"bottom '{x.name}' {x.shape} has no spatial axis after its channel "
+                      f"axis {axis}")
+    kernel = _spatial_values(L, p, "kernel", spatial, -1)
+    stride = _spatial_values(L, p, "stride", spatial, 1)
+    pad = _spatial_values(L, p, "pad", spatial, 0)
+    dilation = _spatial_values(L, p, "dilation", spatial, 1)
+    for what, values in (("kernel size", kernel), ("stride", stride),
+                         ("dilation", dilation)):
+        if min(values) < 1:
+            raise L.error(f"{what} must be positive, got {values}")
+    geom = pooling.Im2colGeometry(
+        num=math.prod(x.shape[:axis]), channels=x.shape[axis], size=x.shape[axis + 1:],
+        kernel=tuple(kernel), stride=tuple(stride), pad=tuple(pad), dilation=tuple(dilation))
+    if min(geom.out) < 1:
+        extent = [d * (k - 1) + 1 for k, d in zip(kernel, dilation, strict=True)]
+        raise L.error(f"kernel extent {extent} exceeds the padded input: bottom "
+                      f"'{x.name}' {x.shape} with pad {pad}")
+    y = L.top(0, x.shape[:axis] + (x.shape[axis] * math.prod(kernel),) + geom.out)
+    L.forward(pooling.im2col_forward, [x], [y], geom=geom)
+
+    def backward():
+        if L.needs_diff(0):
+            L.backward(pooling.im2col_backward, [L.top_diff(0)], [L.bottom_diff(0)],
                        geom=geom)
     return backward
 
@@ -233,10 +367,7 @@ def pooling_layer(L: LayerBuild):
 def lrn_layer(L: LayerBuild):
     L.expect(1, 1)
     p = L.param.lrn_param
-    x = L.bottom(0)
-    if len(x.shape) != 4:
-        raise L.error(f"bottom '{x.name}' {x.shape} must have 4 axes (num, channels, "
-                      "height, width)")
+    x = _four_axes(L)
     if p.local_size % 2 == 0:
         raise L.error(f"local_size must be odd, got {p.local_size}")
     within = p.norm_region == pb.LRNParameter.WITHIN_CHANNEL
