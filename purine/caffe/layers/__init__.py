@@ -9,5 +9,6 @@ from purine.caffe.layers import (  # noqa: F401
     neuron,
     normalization,
     python,
+    recurrent,
     vision,
 )
