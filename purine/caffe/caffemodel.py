@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -108,26 +109,39 @@ def encode_net(name: str, layers: Iterable[pb.LayerParameter],
     return b"".join(net_chunks(name, layers, params))
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | Iterable[bytes | memoryview]) -> None:
-    """Write ``data`` (bytes or chunks) to a temporary file beside ``path``, then rename it:
-    a crash at any moment leaves either the old file or the complete new one."""
+@contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[str]:
+    """A temporary name beside ``path`` for the block to write; on success it is synced and
+    renamed to ``path``, on an error removed: a crash at any moment leaves either the old
+    file or the complete new one."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=d)
     umask = os.umask(0)
     os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would hide snapshots from other users
     try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in [data] if isinstance(data, bytes | bytearray) else data:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would hide snapshots from other users
+    finally:
+        os.close(fd)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | Iterable[bytes | memoryview]) -> None:
+    """Write ``data`` (bytes or chunks) to ``path`` through ``atomic_file``."""
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        for chunk in [data] if isinstance(data, bytes | bytearray) else data:
+            f.write(chunk)
 
 
 def save_net(name: str, layers: Iterable[pb.LayerParameter],

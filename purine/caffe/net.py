@@ -57,6 +57,9 @@ class NetBuilder:
         self._n_ops = 0
         self.stateful: dict[str, Stateful] = {}  # run-time state snapshots must keep
 
+        if param.debug_info:
+            raise PurineError(f"net '{param.name}': debug_info: true is not supported (Caffe's "
+                              "per-layer data/diff norms); remove it or set it false")
         state = pb.NetState()
         state.CopyFrom(param.state)
         state.phase, state.level = phase, level
@@ -450,10 +453,15 @@ class Net:
 
     # -- weights -----------------------------------------------------------------------
     def copy_from(self, path: str | os.PathLike) -> None:
-        """Copy parameters from a .caffemodel by layer name (Caffe's CopyTrainedLayersFrom):
+        """Copy parameters from a .caffemodel or, when the file is HDF5 (told by its
+        signature, as Caffe's CopyTrainedLayersFrom does), a .caffemodel.h5, by layer name:
         layers it lacks keep theirs; a shape mismatch is an error naming both shapes."""
         from purine.caffe.caffemodel import load_weights
+        from purine.caffe.hdf5_snapshot import is_hdf5
 
+        if is_hdf5(path):
+            self.load_hdf5(path)
+            return
         weights = load_weights(path)
         for name, views in self.params.items():
             if name not in weights:
@@ -472,6 +480,37 @@ class Net:
                             f"{a.shape} in the file, the net expects {v.shape}")
                 assign(v.data, a)
 
+    def load_hdf5(self, path: str | os.PathLike) -> None:
+        """Copy parameters from a .caffemodel.h5 (``data/<layer>/<i>``), as Caffe's
+        CopyTrainedLayersFromHDF5: shapes must match exactly, and a blob may be missing
+        only where the layer shares it from another layer."""
+        from purine.caffe.hdf5_snapshot import read_weights
+
+        path = os.fspath(path)
+        for name, datasets in read_weights(path).items():
+            views = self.params.get(name)
+            if views is None:
+                continue
+            if len(datasets) > len(views):
+                raise PurineError(f"{path}: layer '{name}' has {len(datasets)} datasets, the "
+                                  f"net expects at most {len(views)} parameter blobs")
+            for k, v in enumerate(views):
+                a = datasets.get(str(k))
+                if a is None:
+                    if self._owns(name, k):
+                        raise PurineError(f"{path}: layer '{name}' has no dataset data/{name}/"
+                                          f"{k}; the net expects {len(views)} parameter blobs")
+                    continue  # shared from its owner's layer
+                if a.shape != v.shape:
+                    raise PurineError(f"{path}: layer '{name}' parameter {k} has shape "
+                                      f"{a.shape} in the file, the net expects {v.shape}")
+                assign(v.data, a)
+
+    def _owns(self, layer: str, k: int) -> bool:
+        """Whether ``layer``'s parameter ``k`` is its own (not shared from another layer)."""
+        blob = self.params[layer][k]._data
+        return self.builder._param_uses[blob][0][0].name == layer
+
     def save(self, path: str | os.PathLike) -> None:
         """Write the parameters as a .caffemodel (temporary file, then rename)."""
         from purine.caffe.caffemodel import save_net
@@ -480,6 +519,20 @@ class Net:
                   for name, views in self.params.items()}
         layers = [L.param for L in self.builder.layers if L.type != "Split"]
         save_net(self.model.name, layers, params, path)
+
+    def save_hdf5(self, path: str | os.PathLike) -> None:
+        """Write the parameters as a .caffemodel.h5 in Caffe's layout (a group per layer
+        under ``data``; a shared blob is written by its owner only). Needs h5py."""
+        from purine.caffe.hdf5_snapshot import write_weights
+
+        layers = []
+        for L in self.builder.layers:
+            if L.type == "Split":  # as in save(): the net's own layers only
+                continue
+            views = self.params.get(L.name, [])
+            layers.append((L.name, [to_host(v.data) if self._owns(L.name, k) else None
+                                    for k, v in enumerate(views)]))
+        write_weights(path, layers)
 
 
 def _legacy_shape_match(a: tuple[int, ...], b: tuple[int, ...]) -> bool:

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import signal
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ import numpy as np
 from purine.backend import assign, is_device_array, one_blas_thread, to_host
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.caffemodel import Chunks, atomic_write, blob_chunks, blob_to_array, nested_field
+from purine.caffe.hdf5_snapshot import INSTALL_HINT, SolverStateH5, have_h5py, read_private
 from purine.caffe.layer import kernel
 from purine.caffe.net import TEST, TRAIN, Net
 from purine.caffe.prototxt import parse_text, read_message, read_net
@@ -71,12 +73,19 @@ def read_solver(source: str | os.PathLike | pb.SolverParameter) -> pb.SolverPara
 def snapshot_seed(path: str | os.PathLike) -> int | None:
     """The random seed a .solverstate of ours was trained with (None for Caffe's), so a
     run with ``random_seed`` unset can resume with the same random streams."""
+    if os.fspath(path).endswith(".h5"):
+        payloads = [p.encode() for p in [read_private(path)] if p is not None]
+        return _seed_of(payloads)
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError:
         return None  # restore() reports the file
-    for payload in length_fields(data, PRIVATE_STATE_FIELD):
+    return _seed_of(length_fields(data, PRIVATE_STATE_FIELD))
+
+
+def _seed_of(payloads) -> int | None:
+    for payload in payloads:
         try:
             seed = json.loads(payload).get("seed")
         except (ValueError, AttributeError):
@@ -119,6 +128,8 @@ class Solver:
                  share_memory: bool = False):
         if path is None:
             path = os.fspath(source) if isinstance(source, str | os.PathLike) else ""
+            if isinstance(source, str) and not os.path.exists(source) and "\n" in source:
+                path = ""  # prototxt text, not a file name
         self.path = path
         self.param = p = read_solver(source)
         self.log = log or get_logger()
@@ -126,6 +137,7 @@ class Solver:
         seed = p.random_seed if p.random_seed >= 0 else int.from_bytes(os.urandom(4), "little")
         self.seed = seed
         train_param, test_params = self._net_params(base)
+        self._check_settings(writes=comm is None or comm.size <= 1 or comm.rank == 0)
 
         def state(s: pb.NetState) -> tuple[int, list[str]]:
             return (s.level if level is None else level,
@@ -148,10 +160,7 @@ class Solver:
         self.net = Net(train_param, phase=TRAIN, level=lv, stages=st, seed=seed + first,
                        threads=threads, replica=(first, total), location=location)
         self.net.solver_owned = True  # its blobs feed the update ops: no reshape
-        folder = os.path.dirname(self._prefix())
-        if (p.snapshot or p.snapshot_after_train) and folder and not os.path.isdir(folder):
-            raise ProtoError(f"solver {self.path}: snapshot_prefix '{p.snapshot_prefix}' "
-                             f"points into '{folder}', which does not exist")
+        self._check_regularization()
         self.trace_path: str | None = None  # write a Chrome trace of the next iteration
         self.replicas = None
         if replicas > 1:  # data parallelism: the other replicas join the net's graph
@@ -182,6 +191,88 @@ class Solver:
         self.last_test: list[dict[str, np.ndarray]] = []
         if share_memory:
             self._share_memory()
+        self._load_weights(base)
+
+    # -- settings refused or checked before iteration 0 ----------------------------------
+    def _where(self) -> str:
+        return self.path or "(prototxt text)"
+
+    def _refuse(self, key: str, why: str) -> ProtoError:
+        return ProtoError(f"solver {self._where()}: {key}: {why}")
+
+    def _check_settings(self, writes: bool) -> None:
+        """Refuse what this solver would not honour, and what would otherwise fail only
+        once used mid-run (Caffe finds some of these at the first update or snapshot).
+        ``writes``: this process writes the snapshots (MPI: rank 0 alone)."""
+        p = self.param
+        if p.snapshot_diff:
+            raise self._refuse("snapshot_diff", "true is not supported: snapshots hold the "
+                               "parameters' data, not their diffs; remove it or set false")
+        if p.debug_info:
+            raise self._refuse("debug_info", "true is not supported (per-layer data and diff "
+                               "norms); remove it (train --trace profiles every op)")
+        if p.average_loss < 1:
+            raise self._refuse("average_loss", f"must be at least 1, got {p.average_loss}")
+        if p.stepvalue and p.lr_policy != "multistep":
+            raise self._refuse("stepvalue", f"only lr_policy \"multistep\" reads it, this "
+                               f"solver's is \"{p.lr_policy}\"; remove stepvalue or use "
+                               "multistep")
+        steps = list(p.stepvalue)
+        if any(b <= a for a, b in zip(steps, steps[1:])):
+            # Caffe passes at most one step value per iteration, so out of order or repeated
+            # values would change the rate at other iterations than they name.
+            raise self._refuse("stepvalue", "values must increase strictly, got "
+                               + ", ".join(map(str, steps)))
+        try:
+            so.rate(it=0, **self._lr_params())  # unknown policy, missing stepsize, ...
+        except PurineError as e:
+            raise self._refuse("lr_policy", str(e)) from None
+        if p.snapshot_format == pb.SolverParameter.HDF5 and not have_h5py():
+            raise self._refuse("snapshot_format", f"HDF5 needs the h5py package: {INSTALL_HINT}"
+                               " (or use BINARYPROTO, the default)")
+        if writes and (p.snapshot or p.snapshot_after_train):
+            self._check_snapshot_prefix()
+
+    def _check_snapshot_prefix(self) -> None:
+        """Caffe's CheckSnapshotWritePermissions: create and remove a file where the
+        snapshots go, so an unwritable prefix fails now, not at the first snapshot."""
+        prefix, given = self._prefix(), self.param.snapshot_prefix
+        folder = os.path.dirname(prefix) or "."
+        if not os.path.isdir(folder):
+            raise self._refuse(f"snapshot_prefix '{given}'", f"points into '{folder}', "
+                               "which does not exist")
+        try:
+            fd, probe = tempfile.mkstemp(prefix=os.path.basename(prefix) + ".", dir=folder,
+                                         suffix=".tempfile")
+        except OSError as e:
+            raise self._refuse(f"snapshot_prefix '{given}'", f"cannot write snapshots into "
+                               f"'{folder}' ({e.strerror}); give a writable directory") from None
+        os.close(fd)
+        os.unlink(probe)
+
+    def _check_regularization(self) -> None:
+        """Caffe's Regularize fails at the first update when a decay applies and the type is
+        unknown; refuse that now."""
+        p = self.param
+        if p.weight_decay and p.regularization_type not in so.REGULARIZATION_TYPES and any(
+                w.meta["decay_mult"] for w in self.net.builder.learnable_params):
+            raise self._refuse("regularization_type", f"'{p.regularization_type}' is unknown; "
+                               f"expected one of {', '.join(so.REGULARIZATION_TYPES)}")
+
+    def _load_weights(self, base: str) -> None:
+        """The ``weights`` field: caffemodels (comma-separated, as many fields as given)
+        copied by layer name into the train and test nets, in order, as Caffe does."""
+        for entry in self.param.weights:
+            for path in (w.strip() for w in entry.split(",")):
+                if not path:
+                    continue
+                path = _resolve(path, base)
+                self.log.info("Finetuning from %s", path)
+                try:
+                    for net in [self.net] + self.test_nets:
+                        net.copy_from(path)
+                except PurineError as e:
+                    raise self._refuse("weights", str(e)) from None
 
     # -- nets ----------------------------------------------------------------------------
     def _net_params(self, base: str) -> tuple[pb.NetParameter, list[pb.NetParameter]]:
@@ -487,21 +578,36 @@ class Solver:
         return prefix
 
     def snapshot(self) -> tuple[str, str]:
-        if self.param.snapshot_format == pb.SolverParameter.HDF5:
-            raise PurineError("snapshot_format HDF5 is not supported; use BINARYPROTO "
-                              "(the default)")
+        hdf5 = self.param.snapshot_format == pb.SolverParameter.HDF5
         base = f"{self._prefix()}_iter_{self.iter}"
-        model, state = base + ".caffemodel", base + ".solverstate"
+        ext = ".h5" if hdf5 else ""
+        model, state = base + ".caffemodel" + ext, base + ".solverstate" + ext
         private = None
         if self.mpi:  # collective: rank 0 gathers every rank's cursors and alone writes
             private = self.mpi.gather_state(self._private_state())
             if private is None:
                 return model, state
+        if hdf5:
+            self._snapshot_hdf5(model, state, private)
+            return model, state
         self.log.info("Snapshotting to binary proto file %s", model)
         self.net.save(model)
         self.log.info("Snapshotting solver state to binary proto file %s", state)
         atomic_write(state, self.encode_state(model, private))
         return model, state
+
+    def _snapshot_hdf5(self, model: str, state: str, private: dict | None) -> None:
+        from purine.caffe.hdf5_snapshot import write_state
+
+        self.log.info("Snapshotting to HDF5 file %s", model)
+        self.net.save_hdf5(model)
+        self.log.info("Snapshotting solver state to HDF5 file %s", state)
+        d = self.net.dispatcher
+        private = self._private_state() if private is None else private
+        write_state(state, SolverStateH5(
+            iter=self.iter, learned_net=model, current_step=self._current_step(),
+            history=[to_host(d.array(h)) for h in self._history()],
+            private=json.dumps(private)))
 
     def _history(self) -> list[Blob]:
         """Caffe's history order: every learnable parameter's first history blob, then
@@ -552,8 +658,12 @@ class Solver:
         return 0
 
     def restore(self, path: str | os.PathLike) -> None:
-        """Resume from a .solverstate (ours or Caffe's: Caffe's has no private field, and
-        then the random streams start over, as Caffe's do)."""
+        """Resume from a .solverstate or, when the name ends in .h5 (Caffe's test), a
+        .solverstate.h5 (ours or Caffe's: Caffe's has no private state, and then the random
+        streams start over, as Caffe's do)."""
+        if os.fspath(path).endswith(".h5"):
+            self._restore_hdf5(path)
+            return
         state = read_message(path, pb.SolverState())
         with open(path, "rb") as f:
             for payload in length_fields(f.read(), PRIVATE_STATE_FIELD):
@@ -575,6 +685,30 @@ class Solver:
                 raise PurineError(f"{os.fspath(path)}: history blob {k} has {a.size} values, "
                                   f"parameter '{h.name}' needs {h.count}")
             assign(d.array(h), a.reshape(h.shape))
+        self.iter = state.iter
+
+    def _restore_hdf5(self, path: str | os.PathLike) -> None:
+        from purine.caffe.hdf5_snapshot import read_state
+
+        path = os.fspath(path)
+        state = read_state(path)
+        if state.private is not None:
+            try:
+                self._restore_private(json.loads(state.private))
+            except (ValueError, AttributeError) as e:
+                raise PurineError(f"{path}: unreadable purine state dataset: {e}") from None
+        if state.learned_net:
+            self.net.copy_from(state.learned_net)
+        hist = self._history()
+        if len(state.history) != len(hist):
+            raise PurineError(f"{path}: {len(state.history)} history datasets, the "
+                              f"'{self.param.type}' solver of this net needs {len(hist)}")
+        d = self.net.dispatcher
+        for k, (a, h) in enumerate(zip(state.history, hist, strict=True)):
+            if a.shape != h.shape:
+                raise PurineError(f"{path}: history/{k} has shape {a.shape}, parameter "
+                                  f"'{h.name}' needs {h.shape}")
+            assign(d.array(h), a)
         self.iter = state.iter
 
 

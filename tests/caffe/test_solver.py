@@ -161,12 +161,6 @@ def test_divergence_names_the_iteration():
         s.step(20)
 
 
-def test_hdf5_snapshots_are_refused_clearly(tmp_path):
-    s = Solver(solver_text(snapshot_format="HDF5", snapshot_prefix=f'"{tmp_path}/h"'))
-    with pytest.raises(PurineError, match="HDF5 is not supported"):
-        s.snapshot()
-
-
 def test_solver_settings_caffe_refuses_are_refused():
     with pytest.raises(ProtoError, match="momentum cannot be used with AdaGrad"):
         read_solver(solver_text(type='"AdaGrad"'))
