@@ -1,6 +1,6 @@
-"""Caffe's compute_image_mean: the mean image of an LMDB of Datums (raw, float or encoded),
-written as a BlobProto (1, C, H, W) in the legacy num/channels/height/width form Caffe
-writes, and the per-channel means logged as Caffe logs them."""
+"""Caffe's compute_image_mean: the mean image of an LMDB or a LevelDB of Datums (raw, float
+or encoded), written as a BlobProto (1, C, H, W) in the legacy num/channels/height/width
+form Caffe writes, and the per-channel means logged as Caffe logs them."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from converters import ConvertError, flag, run_main
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.caffemodel import atomic_write
 from purine.caffe.wire import len_field, varint
+from purine.data import db as dbs
+from purine.data.leveldb_source import message as leveldb_message
+from purine.data.leveldb_source import plyvel_module
 from purine.log import get_logger
 
 BATCH = 256  # raw datums summed per numpy call
@@ -39,39 +42,67 @@ def _decode(datum: pb.Datum, key: bytes) -> pb.Datum:
                     data=np.ascontiguousarray(image.transpose(2, 0, 1)).tobytes())
 
 
-def _datums(path: str) -> Iterator[tuple[bytes, pb.Datum]]:
+def _records(path: str, backend: str) -> Iterator[tuple[bytes, bytes]]:
+    """The (key, value) records of the database in key order."""
+    found = dbs.detect(path)
+    if found is None:
+        if not os.path.exists(path):
+            raise ConvertError(f"{path}: no such {'LMDB' if backend == 'lmdb' else 'LevelDB'} "
+                               "folder")
+        raise ConvertError(f"{path}: neither an LMDB (a folder with data.mdb) nor a LevelDB (a "
+                           "folder with CURRENT)")
+    if found != backend:
+        name = {"lmdb": "an LMDB", "leveldb": "a LevelDB"}
+        raise ConvertError(f"{path}: is {name[found]}, not {name[backend]}: give --backend "
+                           f"{found}")
+    if backend == "leveldb":
+        yield from _leveldb_records(path)
+        return
     import lmdb
 
-    if not os.path.isdir(path):
-        raise ConvertError(f"{path}: no such LMDB folder")
     try:
-        env = lmdb.open(path, readonly=True, lock=False, subdir=True)
+        env = lmdb.open(path, readonly=True, lock=False, subdir=os.path.isdir(path))
     except lmdb.Error as e:
         raise ConvertError(f"{path}: cannot open the lmdb: {e}") from None
     try:
         with env.begin(buffers=False) as txn:
-            for key, value in txn.cursor():
-                datum = pb.Datum()
-                try:
-                    datum.ParseFromString(value)
-                except message.DecodeError:
-                    raise ConvertError(f"{path}: record {key!r} is not a Datum") from None
-                yield key, datum
+            yield from txn.cursor()
     finally:
         env.close()
 
 
+def _leveldb_records(path: str) -> Iterator[tuple[bytes, bytes]]:
+    plyvel = plyvel_module()
+    try:
+        db = plyvel.DB(path, create_if_missing=False)
+    except plyvel.Error as e:
+        raise ConvertError(f"{path}: cannot open the leveldb: {leveldb_message(e)}") from None
+    try:
+        yield from db
+    finally:
+        db.close()
+
+
+def _datums(path: str, backend: str) -> Iterator[tuple[bytes, pb.Datum]]:
+    for key, value in _records(path, backend):
+        datum = pb.Datum()
+        try:
+            datum.ParseFromString(value)
+        except message.DecodeError:
+            raise ConvertError(f"{path}: record {key!r} is not a Datum") from None
+        yield key, datum
+
+
 def compute_image_mean(db: str | os.PathLike, output: str | os.PathLike | None = None, *,
                        backend: str = "lmdb", log=None) -> np.ndarray:
-    """The mean over all datums of the LMDB ``db`` as a float32 array (1, C, H, W); written
+    """The mean over all datums of the ``backend`` database ``db`` (lmdb or leveldb) as a
+    float32 array (1, C, H, W); written
     to ``output`` (a .binaryproto) when given. uint8 data is summed exactly (as integers):
     the result equals Caffe's float32 accumulation up to 65,793 images and is closer to the
     true mean beyond; float_data is summed in float64."""
     log = log or get_logger()
-    if backend == "leveldb":
-        raise ConvertError("backend 'leveldb' is not supported; use --backend lmdb")
-    if backend != "lmdb":
-        raise ConvertError(f"unknown backend '{backend}'; use lmdb")
+    if backend not in dbs.BACKENDS:
+        raise ConvertError(f"unknown backend '{backend}'; use lmdb or leveldb")
     path = os.fspath(db)
     shape = None
     size = count = 0
@@ -86,7 +117,7 @@ def compute_image_mean(db: str | os.PathLike, output: str | os.PathLike | None =
             int_sum += block.sum(axis=0, dtype=np.int64)
             pending.clear()
 
-    for key, datum in _datums(path):
+    for key, datum in _datums(path, backend):
         if datum.encoded:
             if shape is None:
                 log.info("Decoding Datum")
@@ -143,10 +174,11 @@ def mean_blob_bytes(mean: np.ndarray) -> bytes:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Caffe's compute_image_mean flags and arguments."""
     if parser.description is None:
-        parser.description = "Compute the mean_image of a set of images given by an lmdb."
-    flag(parser, "backend", default="lmdb", help="the db backend: lmdb (leveldb is not "
-                                                 "supported)")
-    parser.add_argument("db", metavar="INPUT_DB", help="the LMDB of Datums")
+        parser.description = ("Compute the mean_image of a set of images given by an lmdb or a "
+                              "leveldb.")
+    flag(parser, "backend", default="lmdb",
+         help="the db backend: lmdb or leveldb (leveldb needs the plyvel package)")
+    parser.add_argument("db", metavar="INPUT_DB", help="the database of Datums")
     parser.add_argument("output", metavar="OUTPUT_FILE", nargs="?", default=None,
                         help="the .binaryproto to write (optional)")
     parser.set_defaults(run=run)

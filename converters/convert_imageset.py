@@ -1,7 +1,6 @@
-"""Caffe's convert_imageset: the images of a list file become an LMDB of Datum records, keyed,
-laid out and encoded as Caffe's tool writes them. ``write_images`` is the one LMDB writer for
-in-memory images too (the embedded MNIST subset, tests), so every image LMDB comes from here.
-"""
+"""Caffe's convert_imageset: the images of a list file become an LMDB or a LevelDB of Datum
+records, keyed, laid out and encoded as Caffe's tool writes them. ``DBWriter`` writes every
+database of Datums (images here and for in-memory images, features for extract_features)."""
 
 from __future__ import annotations
 
@@ -18,15 +17,20 @@ import numpy as np
 from converters import ConvertError, bool_flag, flag, run_main
 from purine.caffe import caffe_pb2 as pb
 from purine.data.image_list import read_list
+from purine.data.leveldb_source import message as leveldb_message
+from purine.data.leveldb_source import plyvel_module
 from purine.log import get_logger
 
-COMMIT_EVERY = 1000  # records per LMDB transaction, as Caffe's tools commit
+COMMIT_EVERY = 1000  # records per transaction, as Caffe's tools commit
 # Caffe shuffles with an unseeded RNG; ours is seeded so the same list gives the same order.
 SHUFFLE_SEED = 0
 # Caffe asks LMDB for a 1 TB map: address space only on 64-bit, the file grows as written.
 # A full map is still handled, by doubling it and retrying the transaction.
 MAP_SIZE = 1 << 40 if sys.maxsize > 2**32 else 1 << 30
 LMDB_MAX_KEY = 511  # bytes, LMDB's compiled-in limit
+# What Caffe asks of a new LevelDB: a 256 MB write buffer and 64 KiB blocks.
+LEVELDB_WRITE_BUFFER = 256 << 20
+LEVELDB_BLOCK = 64 << 10
 
 
 class Encoded(NamedTuple):
@@ -97,7 +101,7 @@ def image_datum(image: np.ndarray | Encoded, label: int, encoding: str = "") -> 
     return mat_to_datum(image, label)
 
 
-# -- the LMDB writer ----------------------------------------------------------------------
+# -- the database writer ------------------------------------------------------------------
 class Progress:
     """A one-line text progress bar on stderr, redrawn in place; only on a terminal and for
     runs of at least ``min_total`` records (short runs and logs stay clean)."""
@@ -156,38 +160,125 @@ def _commit(env, batch: list[tuple[bytes, bytes]]) -> None:
             env.set_mapsize(env.info()["map_size"] * 2)
 
 
-def _fill(env, items: Iterable[tuple[str | bytes, pb.Datum | bytes]], total: int | None,
-          label: str, log) -> int:
+class DBWriter:
+    """A new LMDB or LevelDB (Caffe's ``db::NEW``) written in transactions: ``put`` buffers
+    a record, ``commit`` writes the buffered ones together. The folder must not exist;
+    ``abort`` removes what was written."""
+
+    def __init__(self, path: str | os.PathLike, backend: str = "lmdb", log=None):
+        self.path, self.backend = os.fspath(path), backend
+        if backend not in ("lmdb", "leveldb"):
+            raise ConvertError(f"unknown backend '{backend}'; use lmdb or leveldb")
+        plyvel = plyvel_module() if backend == "leveldb" else None  # before any folder is made
+        try:
+            os.mkdir(self.path)
+        except FileExistsError:
+            raise ConvertError(f"{self.path}: already exists; remove it or choose another name "
+                               "(Caffe's tools never write into an existing database)") from None
+        except OSError as e:
+            raise ConvertError(f"{self.path}: cannot create the database folder: "
+                               f"{e.strerror}") from None
+        self.pending: list[tuple[bytes, bytes]] = []
+        self._env = self._db = None
+        try:
+            if plyvel is None:
+                import lmdb
+
+                try:
+                    self._env = lmdb.open(self.path, map_size=MAP_SIZE, subdir=True)
+                except lmdb.Error as e:
+                    raise ConvertError(f"{self.path}: cannot open the lmdb: {e}") from None
+            else:
+                try:
+                    self._db = plyvel.DB(self.path, create_if_missing=True,
+                                         error_if_exists=True,
+                                         write_buffer_size=LEVELDB_WRITE_BUFFER,
+                                         block_size=LEVELDB_BLOCK)
+                except plyvel.Error as e:
+                    raise ConvertError(f"{self.path}: cannot open the leveldb: "
+                                       f"{leveldb_message(e)}") from None
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+        (log or get_logger()).info("Opened %s %s", backend, self.path)
+
+    def put(self, key: str | bytes, value: pb.Datum | bytes) -> None:
+        k = key if isinstance(key, bytes) else key.encode("utf-8", "surrogateescape")
+        if self._env is not None and not 0 < len(k) <= LMDB_MAX_KEY:
+            raise ConvertError(f"key {key!r} is {len(k)} bytes; LMDB keys are 1 to "
+                               f"{LMDB_MAX_KEY} bytes")
+        self.pending.append((k, value if isinstance(value, bytes) else value.SerializeToString()))
+
+    def commit(self) -> None:
+        if not self.pending:
+            return
+        if self._env is not None:
+            self._commit_lmdb()
+        else:
+            import plyvel
+
+            try:
+                with self._db.write_batch(transaction=True) as batch:
+                    for k, v in self.pending:
+                        batch.put(k, v)
+            except plyvel.Error as e:
+                raise ConvertError(f"{self.path}: writing the leveldb failed: "
+                                   f"{leveldb_message(e)}") from None
+        self.pending.clear()
+
+    def _commit_lmdb(self) -> None:
+        import lmdb
+
+        try:
+            _commit(self._env, self.pending)
+        except lmdb.Error as e:
+            raise ConvertError(f"{self.path}: writing the lmdb failed: {e}") from None
+
+    def close(self) -> None:
+        """Commit what is pending and close the database."""
+        try:
+            self.commit()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self._env is not None:
+            self._env.close()
+        if self._db is not None:
+            self._db.close()
+        self._env = self._db = None
+
+    def abort(self) -> None:
+        """Close without committing and remove the half-written database."""
+        self._close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _fill(db: DBWriter, items: Iterable[tuple[str | bytes, pb.Datum | bytes]],
+          total: int | None, label: str, log) -> int:
     progress = Progress(total, label)
     try:
-        return _fill_batches(env, items, progress, log)
+        return _fill_batches(db, items, progress, log)
     except BaseException:
         progress.clear()  # an error message must not land on the bar's line
         raise
 
 
-def _fill_batches(env, items: Iterable[tuple[str | bytes, pb.Datum | bytes]],
+def _fill_batches(db: DBWriter, items: Iterable[tuple[str | bytes, pb.Datum | bytes]],
                   progress: Progress, log) -> int:
-    batch: list[tuple[bytes, bytes]] = []
     count = 0
     for key, value in items:
-        k = key if isinstance(key, bytes) else key.encode("utf-8", "surrogateescape")
-        if not 0 < len(k) <= LMDB_MAX_KEY:
-            raise ConvertError(f"key {key!r} is {len(k)} bytes; LMDB keys are 1 to "
-                               f"{LMDB_MAX_KEY} bytes")
-        v = value if isinstance(value, bytes) else value.SerializeToString()
-        batch.append((k, v))
+        db.put(key, value)
         count += 1
         if count % COMMIT_EVERY == 0:
-            _commit(env, batch)
-            batch.clear()
+            db.commit()
             progress.clear()
             log.info("Processed %d files.", count)
             progress.update(count, force=True)
         else:
             progress.update(count)
     if count % COMMIT_EVERY != 0:
-        _commit(env, batch)
+        db.commit()
         progress.clear()
         log.info("Processed %d files.", count)
     progress.close(count)
@@ -195,47 +286,29 @@ def _fill_batches(env, items: Iterable[tuple[str | bytes, pb.Datum | bytes]],
 
 
 def write_datums(db: str | os.PathLike, items: Iterable[tuple[str | bytes, pb.Datum | bytes]],
-                 *, total: int | None = None, log=None) -> int:
-    """Write (key, Datum) pairs to a new LMDB ``db`` in transactions of 1000, as Caffe's
-    tools do; returns the record count. The folder must not exist (Caffe's ``db::NEW``);
-    on an error the half-written database is removed."""
-    import lmdb
-
+                 *, total: int | None = None, log=None, backend: str = "lmdb") -> int:
+    """Write (key, Datum) pairs to a new LMDB or LevelDB ``db`` in transactions of 1000, as
+    Caffe's tools do; returns the record count. The folder must not exist (Caffe's
+    ``db::NEW``); on an error the half-written database is removed."""
     log = log or get_logger()
-    path = os.fspath(db)
+    writer = DBWriter(db, backend, log)
     try:
-        os.mkdir(path)
-    except FileExistsError:
-        raise ConvertError(f"{path}: already exists; remove it or choose another name "
-                           "(Caffe's tools never write into an existing database)") from None
-    except OSError as e:
-        raise ConvertError(f"{path}: cannot create the database folder: {e.strerror}") from None
-    done = False
-    try:
-        try:
-            env = lmdb.open(path, map_size=MAP_SIZE, subdir=True)
-        except lmdb.Error as e:
-            raise ConvertError(f"{path}: cannot open the lmdb: {e}") from None
-        log.info("Opened lmdb %s", path)
-        try:
-            count = _fill(env, items, total, os.path.basename(os.path.normpath(path)), log)
-        except lmdb.Error as e:
-            raise ConvertError(f"{path}: writing the lmdb failed: {e}") from None
-        finally:
-            env.close()
-        done = True
-        return count
-    finally:
-        if not done:
-            shutil.rmtree(path, ignore_errors=True)
+        count = _fill(writer, items, total, os.path.basename(os.path.normpath(writer.path)),
+                      log)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return count
 
 
 def write_images(db: str | os.PathLike, records: Iterable[Record | tuple], *,
                  encoding: str = "", check_size: bool = False, total: int | None = None,
-                 log=None) -> int:
-    """Write (key, image, label[, where]) records as Datums to a new LMDB ``db``: raw uint8
-    C x H x W, or encoded as ``encoding`` ("png", "jpg"; ``Encoded`` images are kept as
-    they are). ``check_size``: every image must have the first one's (C, H, W)."""
+                 log=None, backend: str = "lmdb") -> int:
+    """Write (key, image, label[, where]) records as Datums to a new ``backend`` database
+    ``db`` (lmdb or leveldb): raw uint8 C x H x W, or encoded as ``encoding`` ("png", "jpg";
+    ``Encoded`` images are kept as they are). ``check_size``: every image must have the
+    first one's (C, H, W)."""
     if encoding:
         _check_encoding(encoding)
 
@@ -256,7 +329,7 @@ def write_images(db: str | os.PathLike, records: Iterable[Record | tuple], *,
                         f"first was {'x'.join(map(str, first))} (--check_size)")
             yield key, image_datum(image, label, encoding)
 
-    return write_datums(db, datums(), total=total, log=log)
+    return write_datums(db, datums(), total=total, log=log, backend=backend)
 
 
 def _check_encoding(encoding: str) -> None:
@@ -316,16 +389,14 @@ def convert_imageset(root: str | os.PathLike, listfile: str | os.PathLike,
                      encoded: bool = False, encode_type: str = "", seed: int = SHUFFLE_SEED,
                      backend: str = "lmdb", log=None) -> int:
     """Caffe's convert_imageset: each ``path label`` line of ``listfile`` becomes a Datum
-    under the key ``%08d_path`` in a new LMDB ``db``. A string ``root`` is prefixed to the
-    paths as given, as Caffe does (so give it a trailing '/'); a Path is a folder.
+    under the key ``%08d_path`` in a new ``backend`` database ``db`` (lmdb or leveldb). A
+    string ``root`` is prefixed to the paths as given, as Caffe does (so give it a trailing
+    '/'); a Path is a folder.
     ``resize`` is (height, width). ``encode_type`` implies ``encoded``; ``encoded`` alone
     takes each file's extension. Returns the number of records written."""
     log = log or get_logger()
-    if backend == "leveldb":
-        raise ConvertError("backend 'leveldb' is not supported; use --backend lmdb "
-                           "(Caffe's default)")
-    if backend != "lmdb":
-        raise ConvertError(f"unknown backend '{backend}'; use lmdb")
+    if backend not in ("lmdb", "leveldb"):
+        raise ConvertError(f"unknown backend '{backend}'; use lmdb or leveldb")
     # A Path cannot end in '/', so it names a folder; a string is prefixed as given.
     root = os.path.join(root, "") if isinstance(root, os.PathLike) else root
     listfile = os.fspath(listfile)
@@ -359,21 +430,22 @@ def convert_imageset(root: str | os.PathLike, listfile: str | os.PathLike,
                                encoding=enc, hint=hint)
             yield Record(f"{line_id:08d}_{name}", image, label, f"{where}: '{name}'")
 
-    return write_images(db, records(), check_size=check_size, total=len(lines), log=log)
+    return write_images(db, records(), check_size=check_size, total=len(lines), log=log,
+                        backend=backend)
 
 
 # -- the command --------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Caffe's convert_imageset flags (one dash or two, ``--flag=value``) and arguments."""
     if parser.description is None:
-        parser.description = ("Convert a set of images to the lmdb format used as input for "
-                              "Caffe. LISTFILE lines are 'relative/path label'.")
+        parser.description = ("Convert a set of images to the lmdb/leveldb format used as "
+                              "input for Caffe. LISTFILE lines are 'relative/path label'.")
     bool_flag(parser, "gray", "treat images as grayscale ones")
     bool_flag(parser, "shuffle", "randomly shuffle the order of images and their labels "
                                  f"(seeded: --seed, default {SHUFFLE_SEED})")
     flag(parser, "seed", type=int, default=SHUFFLE_SEED, help="the --shuffle seed")
-    flag(parser, "backend", default="lmdb", help="the db backend: lmdb (leveldb is not "
-                                                 "supported)")
+    flag(parser, "backend", default="lmdb",
+         help="the db backend: lmdb or leveldb (leveldb needs the plyvel package)")
     flag(parser, "resize_width", type=int, default=0, help="width images are resized to")
     flag(parser, "resize_height", type=int, default=0, help="height images are resized to")
     bool_flag(parser, "check_size", "check that all the datum have the same size")
@@ -382,7 +454,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
          help="what to encode the image as ('png', 'jpg', ...); implies --encoded")
     parser.add_argument("root", metavar="ROOTFOLDER/", help="folder the list's paths are in")
     parser.add_argument("listfile", metavar="LISTFILE", help="lines of 'relative/path label'")
-    parser.add_argument("db", metavar="DB_NAME", help="the LMDB folder to create")
+    parser.add_argument("db", metavar="DB_NAME", help="the database folder to create")
     parser.set_defaults(run=run)
 
 

@@ -116,6 +116,11 @@ def _train(args: argparse.Namespace, comm) -> int:
         raise PurineError("give --snapshot to resume training or --weights to fine-tune, "
                           "not both")
     param = read_solver(args.solver)
+    if args.snapshot:  # Caffe: resuming ignores the solver's weights; --weights replaces them
+        param.ClearField("weights")
+    elif args.weights:
+        param.ClearField("weights")
+        param.weights.append(args.weights)
     default = None
     if not args.gpu and param.HasField("solver_mode") and param.solver_mode == param.GPU:
         from purine.backend import gpu_unavailable
@@ -165,10 +170,6 @@ def _train(args: argparse.Namespace, comm) -> int:
         solver = Solver(param, path=args.solver, threads=args.threads, log=log,
                         replicas=replicas, comm=comm, replica_locations=others,
                         location=_location(gpus), share_memory=args.share_memory)
-    for w in (args.weights or "").split(","):
-        if w:
-            log.info("Finetuning from %s", w)
-            solver.net.copy_from(w)
     if args.trace and args.staleness is not None:  # async: trace one push up front
         if args.snapshot:
             solver.restore(args.snapshot)
@@ -274,8 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model from a solver prototxt")
     _flag(p, "solver", required=True, help="the solver prototxt")
     _flag(p, "weights", default=None,
-          help="comma-separated .caffemodel files to fine-tune from (copied by layer name)")
-    _flag(p, "snapshot", default=None, help="a .solverstate to resume training from")
+          help="comma-separated .caffemodel (or .caffemodel.h5) files to fine-tune "
+               "from (copied by layer name); replaces the solver's weights field")
+    _flag(p, "snapshot", default=None,
+          help="a .solverstate (or .solverstate.h5) to resume training from")
     _flag(p, "gpu", default=None, help="GPU ids: 0, or 0,1 (one replica each), or all")
     _flag(p, "tf32", action="store_true",
           help="TF32 tensor cores in GPU matrix products (faster, ~1e-3 relative error)")
@@ -321,13 +324,16 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "stage", default=None, help="comma-separated NetState stages")
     p.set_defaults(run=cmd_test)
 
-    from converters import binaryproto, compute_image_mean, convert_imageset
+    from converters import binaryproto, compute_image_mean, convert_imageset, extract_features
 
     for name, module, text in (
         ("convert_imageset", convert_imageset,
-         "images and a list file -> an LMDB of Datums, as Caffe's convert_imageset"),
+         "images and a list file -> an LMDB or LevelDB of Datums, as Caffe's convert_imageset"),
         ("compute_image_mean", compute_image_mean,
-         "the mean image of an LMDB -> .binaryproto, as Caffe's compute_image_mean"),
+         "the mean image of an LMDB or LevelDB -> .binaryproto, as Caffe's compute_image_mean"),
+        ("extract_features", extract_features,
+         "a trained net's blobs over its data -> LMDBs or LevelDBs of Datums, as Caffe's "
+         "extract_features"),
         ("binaryproto", binaryproto, "convert .binaryproto <-> .npy"),
     ):
         module.add_arguments(sub.add_parser(name, help=text))

@@ -1,6 +1,7 @@
 """The HDF5Data layer's source: a list of .h5 files whose datasets are named like the layer's
 tops; rows are read file after file (in a new random file order and row order every epoch
-when shuffling), a whole file loaded at a time, as Caffe's HDF5DataLayer does."""
+when shuffling), a whole file loaded at a time, as Caffe's HDF5DataLayer does. Also the
+HDF5Output layer's file, which holds the batch of one forward pass."""
 
 from __future__ import annotations
 
@@ -10,17 +11,18 @@ from types import ModuleType
 
 import numpy as np
 
+from purine.backend import to_host
 from purine.data import DataError
 from purine.data.prefetch import Batch, BufferPool
 
 _SHUFFLE = 0x5E1F
 
 
-def h5py_module() -> ModuleType:
+def h5py_module(layer: str = "HDF5Data") -> ModuleType:
     try:
         import h5py
     except ImportError:
-        raise DataError("HDF5Data needs the h5py package: pip install purine-caffe[hdf5]"
+        raise DataError(f"{layer} needs the h5py package: pip install purine-caffe[hdf5]"
                         ) from None
     return h5py
 
@@ -151,3 +153,45 @@ class HDF5Batches:
             return tuple(outs)
 
         return read
+
+
+class HDF5Output:
+    """The HDF5Output layer's file, created (emptied if it exists) when the net is built.
+    A forward pass writes its bottoms as datasets "data" and "label" of the net's dtype,
+    each padded to Caffe's 4 legacy axes (num, channels, height, width). Caffe creates
+    the datasets anew at every forward pass, which fails once they exist: a file holds
+    one batch, and a second forward pass is an error here too."""
+
+    DATA, LABEL = "data", "label"
+
+    def __init__(self, path: str | os.PathLike):
+        self.h5py = h5py_module("HDF5Output")
+        self.path = os.fspath(path)
+        try:
+            self.h5py.File(self.path, "w").close()
+        except OSError as e:
+            raise DataError(f"HDF5 output file '{self.path}' cannot be created: {e}") from None
+
+    def write(self, data: np.ndarray, label: np.ndarray) -> None:
+        try:
+            with self.h5py.File(self.path, "r+") as f:
+                if self.DATA in f or self.LABEL in f:
+                    raise DataError(
+                        f"HDF5 output file '{self.path}' already holds the datasets '{self.DATA}'"
+                        f" and '{self.LABEL}' of an earlier forward pass; as in Caffe, the file "
+                        "takes one batch (rebuild the net to write another)")
+                for name, value in ((self.DATA, data), (self.LABEL, label)):
+                    value = to_host(value)
+                    f.create_dataset(name, data=value.reshape(legacy_shape(value.shape)))
+        except OSError as e:
+            raise DataError(f"HDF5 output file '{self.path}' cannot be written: {e}") from None
+
+
+def legacy_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """A shape of at most 4 axes as Caffe's (num, channels, height, width), 1 past its axes."""
+    return tuple(shape) + (1,) * (4 - len(shape))
+
+
+def write_output(data: np.ndarray, label: np.ndarray, *, output: HDF5Output) -> None:
+    """The HDF5Output layer's forward kernel."""
+    output.write(data, label)

@@ -1,6 +1,7 @@
 """An LMDB of Caffe Datum records read by position (record i in key order, wrapping at the
-end, as Caffe's DataLayer cursor walks it), and the batches of a Data layer: batch k of
-replica r of R holds records [(k*R + r)*batch_size, ...) after the rand_skip offset."""
+end, as Caffe's DataLayer cursor walks it), and the batches of a Data layer over it or a
+LevelDB: batch k of replica r of R holds records [(k*R + r)*batch_size, ...) after the
+rand_skip offset."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import lmdb
 import numpy as np
@@ -16,6 +18,9 @@ from purine.data import DataError
 from purine.data.datum import datum_image, decode_flag, parse_datum, show_key
 from purine.data.prefetch import Batch, BufferPool
 from purine.data.transformer import Shape, Transformer
+
+if TYPE_CHECKING:
+    from purine.data.leveldb_source import LevelDBReader, LevelDBSource
 
 # py-lmdb refuses to open one database file twice in a process, and a train net and a test
 # net (or two nets in a test) may read the same database: they share one environment while
@@ -44,6 +49,8 @@ def _open(path: str) -> lmdb.Environment:
 
 class LMDBSource:
     """A read-only LMDB; every thread reads through its own ``reader()``."""
+
+    kind = "LMDB"
 
     def __init__(self, path: str | os.PathLike):
         self.path = path = os.fspath(path)
@@ -111,24 +118,25 @@ class LMDBReader:
 
 
 class DatumBatches:
-    """The batches of one Data layer: ``reader()`` gives a thread its ``read(k)``."""
+    """The batches of one Data layer over an LMDB or a LevelDB source: ``reader()`` gives a
+    thread its ``read(k)``."""
 
-    def __init__(self, source: LMDBSource, batch_size: int, transformer: Transformer,
-                 shape: Shape, *, labels: bool, dtype: str, seed: int, index: int,
-                 replica: tuple[int, int] = (0, 1), skip: int = 0):
+    def __init__(self, source: LMDBSource | LevelDBSource, batch_size: int,
+                 transformer: Transformer, shape: Shape, *, labels: bool, dtype: str,
+                 seed: int, index: int, replica: tuple[int, int] = (0, 1), skip: int = 0):
         self.source, self.batch_size, self.transformer = source, batch_size, transformer
         self.shape, self.labels, self.dtype = shape, labels, np.dtype(dtype)
         self.seed, self.index, self.replica, self.skip = seed, index, replica, skip
         self.flag = decode_flag(transformer.force_color, transformer.force_gray)
 
     def where(self, key: bytes) -> str:
-        return f"LMDB '{self.source.path}': record '{show_key(key)}'"
+        return f"{self.source.kind} '{self.source.path}': record '{show_key(key)}'"
 
     def reader(self, pool: BufferPool | None = None) -> Callable[[int], Batch]:
         r, pool = self.source.reader(), pool or BufferPool(0)
         return lambda k: self.read(r, k, pool)
 
-    def read(self, r: LMDBReader, k: int, pool: BufferPool) -> Batch:
+    def read(self, r: LMDBReader | LevelDBReader, k: int, pool: BufferPool) -> Batch:
         rank, count = self.replica
         g = k * count + rank  # the batch's number in database order
         recs = r.records(self.skip + g * self.batch_size, self.batch_size)

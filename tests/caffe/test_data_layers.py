@@ -245,12 +245,7 @@ def test_build_errors(tmp_path, raw_db):
         data_net(tmp_path / "nowhere")
     with pytest.raises(LayerError, match="LMDB '.*empty' has no records"):
         data_net(write_lmdb(tmp_path / "empty", []))
-    with pytest.raises(LayerError, match="LEVELDB is not supported; convert the database to "
-                                         r"LMDB \(convert_imageset --backend lmdb\)"):
-        data_net(db, backend="LEVELDB")
-    with pytest.raises(LayerError, match="defaults to LEVELDB, but .* is an LMDB: add "
-                                         "'backend: LMDB'"):
-        data_net(db, backend=None)
+    assert data_net(db, backend=None).blobs["data"].shape == (4, 3, 8, 9)  # read as what it is
     with pytest.raises(LayerError, match="batch_size must be positive"):
         data_net(db, batch=0)
     with pytest.raises(LayerError, match=r"record '00000000': crop_size 9 is larger than the "

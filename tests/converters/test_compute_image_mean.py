@@ -107,7 +107,7 @@ def test_command_and_errors(imageset, capsys):
     assert main([str(tmp_path / "nope")]) == 1
     assert "no such LMDB folder" in capsys.readouterr().err
     assert main([str(tmp_path / "db"), "--backend", "leveldb"]) == 1
-    assert "leveldb' is not supported" in capsys.readouterr().err
+    assert "db: is an LMDB, not a LevelDB: give --backend lmdb" in capsys.readouterr().err
 
     lmdb.open(str(tmp_path / "empty"), map_size=1 << 20).close()
     with pytest.raises(ConvertError, match="holds no records"):

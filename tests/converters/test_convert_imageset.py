@@ -217,8 +217,8 @@ def test_paths_with_spaces_crlf_and_negative_labels(imageset):
 
 def test_user_errors(imageset, capsys):
     tmp_path, listfile, _ = imageset
-    assert run(tmp_path, listfile, "--backend", "leveldb") == 1
-    assert "leveldb' is not supported" in capsys.readouterr().err
+    assert run(tmp_path, listfile, "--backend", "rocksdb") == 1
+    assert "unknown backend 'rocksdb'; use lmdb or leveldb" in capsys.readouterr().err
     (tmp_path / "db").mkdir()
     assert run(tmp_path, listfile) == 1
     assert "already exists" in capsys.readouterr().err

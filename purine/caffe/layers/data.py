@@ -1,8 +1,8 @@
-"""Builders of the data layers (Data, ImageData, MemoryData, HDF5Data), and pycaffe's
-``set_input_arrays`` for MemoryData. A builder opens its source to learn the top shapes
-(Caffe infers them from the first record) and adds one forward op, with no inputs, that
-writes the next prepared batch into the tops; the batch cursor is run-time state that
-snapshots keep."""
+"""Builders of the data layers (Data, ImageData, MemoryData, HDF5Data, WindowData), of
+HDF5Output, and pycaffe's ``set_input_arrays`` for MemoryData. A builder opens its source
+to learn the top shapes (Caffe infers them from the first record) and adds one forward op,
+with no inputs, that writes the next prepared batch into the tops; the batch cursor is
+run-time state that snapshots keep."""
 
 from __future__ import annotations
 
@@ -75,33 +75,49 @@ def _add_forward(L: LayerBuild, shapes: list[tuple[int, ...]],
     log.info("output data size: %s", ",".join(str(d) for d in shapes[0]))
 
 
+def _data_backend(L: LayerBuild, p: pb.DataParameter) -> str:
+    """The backend data_param asks for (LEVELDB when unset, Caffe's default), unless the
+    source holds the other kind: Caffe would fail to open it, we read it as what it is and
+    warn, so that a net written for an LMDB without 'backend: LMDB' runs."""
+    from purine.data import db
+
+    asked = "lmdb" if p.backend == pb.DataParameter.LMDB else "leveldb"
+    found = db.detect(p.source)
+    setting = f"{asked.upper()}{'' if p.HasField('backend') else ' (the default)'}"
+    if found is None:
+        if not os.path.exists(p.source):
+            return asked  # the source says it does not exist
+        raise L.error(f"'{p.source}' is neither an LMDB (a folder with data.mdb) nor a LevelDB "
+                      f"(a folder with CURRENT); data_param.backend is {setting}")
+    if found != asked:
+        name = {"lmdb": "an LMDB", "leveldb": "a LevelDB"}[found]
+        get_logger().warning("layer '%s': data_param.backend is %s but '%s' is %s: reading "
+                             "it as one (Caffe would not); add 'backend: %s' to data_param",
+                             L.name, setting, p.source, name, found.upper())
+    return found
+
+
 @register("Data")
 def data_layer(L: LayerBuild):
-    from purine.data import datum, lmdb_source, prefetch
+    from purine.data import datum, db, lmdb_source, prefetch
 
     L.expect(0, (1, 2))
     p = L.param.data_param
-    if p.backend != pb.DataParameter.LMDB:
-        hint = ("convert the database to LMDB (convert_imageset --backend lmdb) and set "
-                "'backend: LMDB'")
-        if not p.HasField("backend") and os.path.exists(os.path.join(p.source, "data.mdb")):
-            hint = (f"data_param.backend defaults to LEVELDB, but '{p.source}' is an LMDB: "
-                    "add 'backend: LMDB' to data_param")
-        raise L.error(f"backend LEVELDB is not supported; {hint}")
     if not p.source:
-        raise L.error("data_param.source is empty; give the LMDB directory")
+        raise L.error("data_param.source is empty; give the LMDB or LevelDB folder")
+    backend = _data_backend(L, p)
     batch = _batch_size(L, p.batch_size, "data_param")
     tf = _transformer(L, p, force_color=p.force_encoded_color)
     try:
-        src = lmdb_source.LMDBSource(p.source)
+        src = db.open_source(p.source, backend)
         key, value = src.first()
-        where = f"LMDB '{src.path}': record '{datum.show_key(key)}'"
+        where = f"{src.kind} '{src.path}': record '{datum.show_key(key)}'"
         flag = datum.decode_flag(tf.force_color, tf.force_gray)
         image = datum.datum_image(datum.parse_datum(value, where), flag, where)
         shape = tf.output_shape(image.shape, where)
     except DataError as e:
         raise L.error(str(e)) from None
-    get_logger().info("Opened lmdb %s", src.path)
+    get_logger().info("Opened %s %s", backend, src.path)
     labels = len(L.param.top) > 1
     batches = lmdb_source.DatumBatches(
         src, batch, tf, shape, labels=labels, dtype=L.net.dtype, seed=L.net.seed,
@@ -211,3 +227,99 @@ def add_images(net: Net, images: Sequence[np.ndarray], labels: Sequence[int]) ->
     uint8, BGR), transformed by the layer's transform_param, and their labels."""
     _, feed = _memory_feed(net)
     feed.add_images(images, labels)
+
+
+# -- WindowData and HDF5Output -------------------------------------------------------------
+_WINDOW_LEGACY = ("mean_file", "crop_size", "mirror")  # read from transform_param instead
+
+
+@register("WindowData")
+def window_data_layer(L: LayerBuild):
+    from purine.data import datum, prefetch, window
+
+    L.expect(0, 2)
+    p, tp = L.param.window_data_param, L.param.transform_param
+    if not p.source:
+        raise L.error("window_data_param.source is empty; give the window file")
+    batch = _batch_size(L, p.batch_size, "window_data_param")
+    log = get_logger()
+    old = [f for f in _WINDOW_LEGACY if p.HasField(f)]
+    if old:
+        log.warning("layer '%s': %s in window_data_param are ignored, as Caffe ignores them; "
+                    "put them in transform_param", L.name, ", ".join(old))
+    if tp.HasField("scale"):
+        log.warning("layer '%s': WindowData scales by window_data_param.scale; "
+                    "transform_param.scale is ignored, as in Caffe", L.name)
+    crop = int(tp.crop_size)
+    if crop <= 0:
+        raise L.error("WindowData needs transform_param.crop_size > 0, the size windows are "
+                      "warped to")
+    if p.crop_mode not in ("warp", "square"):
+        raise L.error(f"window_data_param.crop_mode '{p.crop_mode}': expected 'warp' or "
+                      "'square'")
+    if crop - 2 * p.context_pad <= 0:
+        raise L.error(f"context_pad {p.context_pad} leaves no room for the window in a crop of "
+                      f"{crop}: expected 2 * context_pad < crop_size")
+    if not 0 <= p.fg_fraction <= 1:
+        raise L.error(f"window_data_param.fg_fraction is {p.fg_fraction:g}; expected a "
+                      "fraction in [0, 1]")
+    if not p.bg_threshold <= p.fg_threshold:
+        raise L.error(f"bg_threshold {p.bg_threshold:g} is above fg_threshold "
+                      f"{p.fg_threshold:g}; expected bg_threshold <= fg_threshold (windows "
+                      "between them are left out)")
+    if tp.HasField("mean_file") and len(tp.mean_value):
+        raise L.error("transform_param: cannot specify mean_file and mean_value at the same "
+                      "time")
+    try:
+        windows = window.read_window_file(p.source, p.root_folder)
+        mean = datum.read_mean(tp.mean_file) if tp.HasField("mean_file") else None
+        batches = window.WindowBatches(
+            windows, batch, crop=crop, context_pad=p.context_pad,
+            square=p.crop_mode == "square", mirror=tp.mirror, fg_threshold=p.fg_threshold,
+            bg_threshold=p.bg_threshold, fg_fraction=p.fg_fraction, scale=p.scale, mean=mean,
+            mean_file=tp.mean_file, mean_values=list(tp.mean_value),
+            cache_images=p.cache_images, dtype=L.net.dtype, seed=L.net.seed, index=L.index,
+            replica=L.net.replica)
+    except DataError as e:
+        raise L.error(str(e)) from None
+    log.info("Number of images: %d", len(windows.images))
+    for label, count in batches.class_counts().items():
+        log.info("class %d has %d samples", label, count)
+    source = prefetch.Prefetcher(batches.reader, 4, f"layer '{L.name}'")
+    L.keep_state("cursor", source)
+    _add_forward(L, [(batch, 3, crop, crop), (batch,)], source)
+    return None
+
+
+@register("HDF5Output")
+def hdf5_output_layer(L: LayerBuild):
+    from purine.data import hdf5
+    from purine.ops import tensor
+
+    L.expect(2, 0)
+    data, label = L.bottom(0), L.bottom(1)
+    for b in (data, label):
+        if len(b.shape) > 4:
+            raise L.error(f"bottom '{b.name}' {b.shape} has {len(b.shape)} axes; HDF5Output "
+                          "writes Caffe's (num, channels, height, width), at most 4 axes")
+    n_data, n_label = hdf5.legacy_shape(data.shape)[0], hdf5.legacy_shape(label.shape)[0]
+    if n_data != n_label:
+        raise L.error(f"data and label must have the same batch size; got {L.shapes()}")
+    name = L.param.hdf5_output_param.file_name
+    if not name:
+        raise L.error("hdf5_output_param.file_name is empty; give the .h5 file to write")
+    try:
+        output = hdf5.HDF5Output(name)
+    except DataError as e:
+        raise L.error(str(e)) from None
+    L.forward(hdf5.write_output, [data, label], [], op_type="HDF5Output", output=output)
+    # Caffe's HDF5Output has no gradient: force_backward leaves it out, and a bottom
+    # forced by propagate_down gets the zero gradient of a layer whose backward is empty.
+    L.no_force_backward.update((0, 1))
+
+    def backward():
+        for i in range(2):
+            if L.needs_diff(i):
+                L.backward(tensor.fill, [], [L.bottom_diff(i)], op_type="HDF5OutputBackward",
+                           value=0.0)
+    return backward

@@ -1,0 +1,171 @@
+"""A LevelDB of Caffe Datum records read by position through plyvel (the optional extra
+``purine-caffe[leveldb]``), with LMDBSource's interface so that DatumBatches reads either:
+records in key order, wrapping at the end as Caffe's cursor does."""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from types import ModuleType
+
+from purine.data import DataError
+
+INSTALL_HINT = "pip install purine-caffe[leveldb] (or pip install plyvel)"
+
+
+def plyvel_module() -> ModuleType:
+    """The plyvel package, or a DataError saying how to install it."""
+    try:
+        import plyvel
+    except ImportError:
+        raise DataError(f"LevelDB databases need the plyvel package: {INSTALL_HINT}") from None
+    return plyvel
+
+
+def message(e: Exception) -> str:
+    """plyvel's errors carry LevelDB's status as bytes."""
+    arg = e.args[0] if e.args else e
+    return arg.decode("utf-8", "replace") if isinstance(arg, bytes) else str(arg)
+
+
+class _Handle:
+    """One open plyvel.DB (which cannot be weakly referenced itself), closed when the last
+    source reading it goes."""
+
+    def __init__(self, db):
+        self.db = db
+
+
+# LevelDB locks its folder, so one process opens a database once: a train net and a test
+# net (or two nets in a test) reading one database share the handle while either lives.
+# Keyed by the folder's inode, so a database written anew under the same name is new.
+_DBS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_DBS_LOCK = threading.Lock()
+
+
+def _open(path: str) -> _Handle:
+    plyvel = plyvel_module()
+    st = os.stat(path)
+    key = (st.st_dev, st.st_ino)
+    with _DBS_LOCK:
+        handle = _DBS.get(key)
+        if handle is None:
+            handle = _Handle(plyvel.DB(path, create_if_missing=False))
+            _DBS[key] = handle
+        return handle
+
+
+class LevelDBSource:
+    """A LevelDB opened for reading; every thread reads through its own ``reader()``.
+
+    LevelDB keeps no record count, and counting means reading the whole database, so
+    ``count`` is None until a reader has walked past the last record once."""
+
+    kind = "LevelDB"
+
+    def __init__(self, path: str | os.PathLike):
+        plyvel = plyvel_module()
+        self.path = path = os.fspath(path)
+        if not os.path.exists(path):
+            raise DataError(f"LevelDB '{path}' does not exist")
+        try:
+            self.handle = _open(path)
+        except plyvel.IOError as e:
+            if "already held by process" in message(e):
+                raise DataError(f"LevelDB '{path}' is open elsewhere in this process (LevelDB "
+                                "locks a database to one opener): close that database before "
+                                "a data layer reads it") from None
+            raise DataError(f"LevelDB '{path}' cannot be opened: {message(e)}") from None
+        except plyvel.Error as e:
+            raise DataError(f"LevelDB '{path}' cannot be opened: {message(e)}") from None
+        self.count: int | None = None
+        it = self.handle.db.iterator(include_value=False)
+        try:
+            if next(it, None) is None:
+                raise DataError(f"LevelDB '{path}' has no records")
+        finally:
+            it.close()
+
+    def reader(self) -> LevelDBReader:
+        return LevelDBReader(self)
+
+    def first(self) -> tuple[bytes, bytes]:
+        r = self.reader()
+        try:
+            return r.records(0, 1)[0]
+        finally:
+            r.close()
+
+
+class LevelDBReader:
+    """A cursor position (the record number and its key); ``records(start, n)`` walks
+    forward from where the last call stopped, as LMDBReader does.
+
+    Each call reads through an iterator of its own, closed before it returns: a LevelDB
+    iterator must go before its database, and one left to the garbage collector (a reader
+    lives in a prefetch thread's closure, which a net's reference cycles hold) may be freed
+    after it, which crashes the process."""
+
+    def __init__(self, source: LevelDBSource):
+        self.source = source
+        self.item: tuple[bytes, bytes] | None = None  # the record the cursor is on
+        self.pos = 0  # its number
+        self._it = None
+
+    def _rewind(self) -> None:
+        self._it.seek_to_start()
+        self.item = next(self._it)
+        self.pos = 0
+
+    def _resume(self) -> None:
+        if self.item is not None:
+            self._it.seek(self.item[0])
+            item = next(self._it, None)
+            if item is not None and item[0] == self.item[0]:
+                self.item = item
+                return
+        self._rewind()
+
+    def _step(self) -> None:
+        try:
+            self.item = next(self._it)
+            self.pos += 1
+        except StopIteration:
+            if self.source.count is None:
+                self.source.count = self.pos + 1
+            self._rewind()
+
+    def _seek(self, i: int) -> None:
+        if self.source.count is None:  # walk forward; a wrap on the way gives the count
+            if i < self.pos:
+                self._rewind()
+            while self.pos < i and self.source.count is None:
+                self._step()
+            if self.source.count is None:
+                return
+        n = self.source.count
+        i %= n
+        ahead = (i - self.pos) % n
+        if ahead > i:  # cheaper to walk from the first record
+            self._rewind()
+            ahead = i
+        for _ in range(ahead):
+            self._step()
+
+    def records(self, start: int, n: int) -> list[tuple[bytes, bytes]]:
+        """Records ``start, start+1, ...`` (modulo the record count) as (key, value)."""
+        with self.source.handle.db.iterator() as self._it:
+            try:
+                self._resume()
+                self._seek(start)
+                out = []
+                for _ in range(n):
+                    out.append(self.item)
+                    self._step()
+                return out
+            finally:
+                self._it = None
+
+    def close(self) -> None:
+        self.item = None
