@@ -1,5 +1,5 @@
-"""Caffe's data sources for the data layers: LMDB databases of Datum records, image lists,
-HDF5 files and arrays fed from Python; Datum decoding, Caffe's DataTransformer applied to
+"""Caffe's data sources for the data layers: LMDB and LevelDB databases of Datum records,
+image lists, R-CNN window files, HDF5 files and arrays fed from Python; Datum decoding, Caffe's DataTransformer applied to
 whole batches, and the background prefetching that overlaps reading with computation."""
 
 from purine.errors import PurineError
