@@ -1,6 +1,7 @@
 """Caffe's data sources for the data layers: LMDB and LevelDB databases of Datum records,
-image lists, R-CNN window files, HDF5 files and arrays fed from Python; Datum decoding, Caffe's DataTransformer applied to
-whole batches, and the background prefetching that overlaps reading with computation."""
+image lists, R-CNN window files, HDF5 files and arrays fed from Python; Datum decoding,
+Caffe's DataTransformer applied to whole batches, and the background prefetching that
+overlaps reading with computation."""
 
 from purine.errors import PurineError
 
