@@ -7,96 +7,224 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from purine.backend import assign, synchronize, to_host
 from purine.caffe import TRAIN, Net
+from purine.caffe import caffe_pb2 as pb
 from purine.graph import Location
-from tests.gpu.common import GPU0, requires_gpu
+from tests.gpu.common import GPU0, TABLE_LOCATION, requires_gpu, requires_gpu_or_stand_in
 from tests.gradcheck import layer_net
 
-pytestmark = requires_gpu
-
 X = (2, 4, 7, 7)
+Inputs = Callable[[np.random.Generator], dict[str, np.ndarray]]
+
+
+def _x(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"x": rng.standard_normal(X)}
+
+
+def _x_x2(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"x": rng.standard_normal(X), "x2": rng.standard_normal(X)}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layer (prototxt body; ``{H}`` stands for the path of ``h_file``'s BlobProto) and
+    its bottoms' values; ``fill_params`` gives the layer's parameters random values where
+    no filler does."""
+    layer: str
+    inputs: Inputs = _x
+    fill_params: bool = False
+    h_file: np.ndarray | None = None
+
+
+def _mll(shape: tuple[int, ...], label_shape: tuple[int, ...]) -> Inputs:
+    """Probabilities (MultinomialLogisticLoss takes no softmax) and one label per sample."""
+    def make(rng):
+        classes = int(np.prod(shape[1:]))
+        return {"x": rng.uniform(0.05, 1.0, shape),
+                "label": rng.integers(0, classes, label_shape).astype(float)}
+    return make
+
+
+def _infogain(shape: tuple[int, ...], axis: int, with_h: bool, ignore: int | None = None
+              ) -> Inputs:
+    def make(rng):
+        lab_shape = shape[:axis] + shape[axis + 1:]
+        label = rng.integers(0, shape[axis], lab_shape).astype(float)
+        if ignore is not None:
+            label.reshape(-1)[::3] = ignore
+        out = {"x": rng.standard_normal(shape), "label": label}
+        if with_h:
+            out["H"] = rng.uniform(0, 2, (shape[axis], shape[axis]))
+        return out
+    return make
+
+
+def _pairs(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Pairs at set distances, so that with margin 1.5 some dissimilar pairs lie inside it
+    and some outside, by the distance and (legacy) by its square."""
+    a = rng.standard_normal((6, 5))
+    u = rng.standard_normal((6, 5))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    dist = np.array([0.4, 0.7, 1.3, 2.6, 0.9, 3.4])
+    return {"a": a, "b": (a + u * dist[:, None]).reshape(6, 5, 1, 1),
+            "sim": np.array([1.0, 0.0, 0.0, 0.0, 1.0, 0.0])}
+
+
+def _two_to_filter(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"x": rng.standard_normal(X), "x2": rng.standard_normal((2, 3)), "sel": np.ones(2)}
+
+
+def _reindex(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    # item 1 picked twice: its gradient is the sum of both
+    return {"x": rng.standard_normal(X), "permut": np.array([1.0, 0.0, 1.0])}
+
+
+INFOGAIN = 'name: "l" type: "InfogainLoss" bottom: "x" bottom: "label" '
+CONTRASTIVE = 'name: "l" type: "ContrastiveLoss" bottom: "a" bottom: "b" bottom: "sim" top: "y" '
 LAYERS = {
-    "conv": ('name: "l" type: "Convolution" bottom: "x" top: "y" convolution_param { '
-             'num_output: 6 kernel_size: 3 pad: 1 stride: 2 group: 2 '
-             'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" } }'),
-    "conv_dilated": ('name: "l" type: "Convolution" bottom: "x" top: "y" convolution_param { '
-                     'num_output: 3 kernel_size: 3 dilation: 2 '
-                     'weight_filler { type: "gaussian" std: 0.5 } }'),
-    "conv_1x1": ('name: "l" type: "Convolution" bottom: "x" top: "y" convolution_param { '
-                 'num_output: 5 kernel_size: 1 weight_filler { type: "gaussian" std: 0.5 } }'),
-    "deconv": ('name: "l" type: "Deconvolution" bottom: "x" top: "y" convolution_param { '
-               'num_output: 3 kernel_size: 3 stride: 2 weight_filler { type: "gaussian" } }'),
-    "max_pool": ('name: "l" type: "Pooling" bottom: "x" top: "y" pooling_param { '
-                 'pool: MAX kernel_size: 3 stride: 2 }'),
-    "ave_pool": ('name: "l" type: "Pooling" bottom: "x" top: "y" pooling_param { '
-                 'pool: AVE kernel_size: 3 stride: 2 pad: 1 }'),
-    "global_pool": ('name: "l" type: "Pooling" bottom: "x" top: "y" pooling_param { '
-                    'pool: MAX global_pooling: true }'),
-    "lrn": ('name: "l" type: "LRN" bottom: "x" top: "y" lrn_param { local_size: 3 '
-            'alpha: 0.5 beta: 0.75 k: 2 }'),
-    "lrn_within": ('name: "l" type: "LRN" bottom: "x" top: "y" lrn_param { local_size: 3 '
-                   'alpha: 0.5 beta: 0.75 norm_region: WITHIN_CHANNEL }'),
-    "ip": ('name: "l" type: "InnerProduct" bottom: "x" top: "y" inner_product_param { '
-           'num_output: 5 weight_filler { type: "gaussian" } bias_filler { type: "gaussian" } }'),
-    "relu": 'name: "l" type: "ReLU" bottom: "x" top: "y" relu_param { negative_slope: 0.1 }',
-    "sigmoid": 'name: "l" type: "Sigmoid" bottom: "x" top: "y"',
-    "tanh": 'name: "l" type: "TanH" bottom: "x" top: "y"',
-    "softmax": 'name: "l" type: "Softmax" bottom: "x" top: "y"',
-    "batch_norm": 'name: "l" type: "BatchNorm" bottom: "x" top: "y"',
-    "scale": ('name: "l" type: "Scale" bottom: "x" top: "y" scale_param { bias_term: true '
-              'filler { type: "gaussian" } bias_filler { type: "gaussian" } }'),
-    "eltwise": ('name: "l" type: "Eltwise" bottom: "x" bottom: "x2" top: "y" eltwise_param { '
-                'operation: PROD }'),
-    "concat": 'name: "l" type: "Concat" bottom: "x" bottom: "x2" top: "y"',
+    "conv": Case('name: "l" type: "Convolution" bottom: "x" top: "y" convolution_param { '
+                 'num_output: 6 kernel_size: 3 pad: 1 stride: 2 group: 2 '
+                 'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" } }'),
+    "conv_dilated": Case('name: "l" type: "Convolution" bottom: "x" top: "y" convolution_param { '
+                         'num_output: 3 kernel_size: 3 dilation: 2 '
+                         'weight_filler { type: "gaussian" std: 0.5 } }'),
+    "conv_1x1": Case('name: "l" type: "Convolution" bottom: "x" top: "y" convolution_param { '
+                     'num_output: 5 kernel_size: 1 weight_filler { type: "gaussian" std: 0.5 } }'),
+    "deconv": Case('name: "l" type: "Deconvolution" bottom: "x" top: "y" convolution_param { '
+                   'num_output: 3 kernel_size: 3 stride: 2 weight_filler { type: "gaussian" } }'),
+    "max_pool": Case('name: "l" type: "Pooling" bottom: "x" top: "y" pooling_param { '
+                     'pool: MAX kernel_size: 3 stride: 2 }'),
+    "ave_pool": Case('name: "l" type: "Pooling" bottom: "x" top: "y" pooling_param { '
+                     'pool: AVE kernel_size: 3 stride: 2 pad: 1 }'),
+    "global_pool": Case('name: "l" type: "Pooling" bottom: "x" top: "y" pooling_param { '
+                        'pool: MAX global_pooling: true }'),
+    "lrn": Case('name: "l" type: "LRN" bottom: "x" top: "y" lrn_param { local_size: 3 '
+                'alpha: 0.5 beta: 0.75 k: 2 }'),
+    "lrn_within": Case('name: "l" type: "LRN" bottom: "x" top: "y" lrn_param { local_size: 3 '
+                       'alpha: 0.5 beta: 0.75 norm_region: WITHIN_CHANNEL }'),
+    "ip": Case('name: "l" type: "InnerProduct" bottom: "x" top: "y" inner_product_param { '
+               'num_output: 5 weight_filler { type: "gaussian" } bias_filler { type: "gaussian" } '
+               '}'),
+    "relu": Case('name: "l" type: "ReLU" bottom: "x" top: "y" relu_param { negative_slope: 0.1 }'),
+    "sigmoid": Case('name: "l" type: "Sigmoid" bottom: "x" top: "y"'),
+    "tanh": Case('name: "l" type: "TanH" bottom: "x" top: "y"'),
+    "swish": Case('name: "l" type: "Swish" bottom: "x" top: "y"'),
+    "swish_beta": Case('name: "l" type: "Swish" bottom: "x" top: "y" swish_param { beta: 0.7 }'),
+    "clip": Case('name: "l" type: "Clip" bottom: "x" top: "y" clip_param { min: -0.6 max: 0.9 }'),
+    "softmax": Case('name: "l" type: "Softmax" bottom: "x" top: "y"'),
+    "batch_norm": Case('name: "l" type: "BatchNorm" bottom: "x" top: "y"'),
+    "mvn": Case('name: "l" type: "MVN" bottom: "x" top: "y"'),
+    "mvn_across_channels": Case('name: "l" type: "MVN" bottom: "x" top: "y" mvn_param { '
+                                'across_channels: true eps: 0.01 }'),
+    "mvn_mean_only": Case('name: "l" type: "MVN" bottom: "x" top: "y" mvn_param { '
+                          'normalize_variance: false }'),
+    # (N, D) is (N, D, 1, 1) to MVN: one-value planes, so across channels to mean anything
+    "mvn_2d": Case('name: "l" type: "MVN" bottom: "x" top: "y" mvn_param { '
+                   'across_channels: true }', lambda rng: {"x": rng.standard_normal((3, 8))}),
+    "scale": Case('name: "l" type: "Scale" bottom: "x" top: "y" scale_param { bias_term: true '
+                  'filler { type: "gaussian" } bias_filler { type: "gaussian" } }'),
+    "eltwise": Case('name: "l" type: "Eltwise" bottom: "x" bottom: "x2" top: "y" eltwise_param '
+                    '{ operation: PROD }', _x_x2),
+    "concat": Case('name: "l" type: "Concat" bottom: "x" bottom: "x2" top: "y"', _x_x2),
+    "parameter": Case('name: "l" type: "Parameter" top: "y" parameter_param { shape { dim: 3 '
+                      'dim: 5 } }', lambda rng: {}, fill_params=True),
+    "filter": Case('name: "l" type: "Filter" bottom: "x" bottom: "x2" bottom: "sel" top: "y" '
+                   'top: "y2"', _two_to_filter),
+    "batch_reindex": Case('name: "l" type: "BatchReindex" bottom: "x" bottom: "permut" top: "y"',
+                          _reindex),
+    "multinomial_logistic_loss": Case(
+        'name: "l" type: "MultinomialLogisticLoss" bottom: "x" bottom: "label" top: "y"',
+        _mll((5, 3), (5,))),
+    "multinomial_logistic_loss_4d": Case(
+        'name: "l" type: "MultinomialLogisticLoss" bottom: "x" bottom: "label" top: "y"',
+        _mll((5, 3, 2, 2), (5, 1, 1, 1))),
+    "infogain_loss_h_bottom": Case(
+        INFOGAIN + 'bottom: "H" top: "y" top: "prob" loss_param { ignore_label: 1 '
+        'normalization: FULL }', _infogain((2, 3, 4), 1, True, ignore=1)),
+    "infogain_loss_axis2": Case(
+        INFOGAIN + 'bottom: "H" top: "y" infogain_loss_param { axis: 2 } loss_param { '
+        'normalization: BATCH_SIZE }', _infogain((2, 3, 4), 2, True)),
+    "infogain_loss_source": Case(
+        INFOGAIN + 'top: "y" infogain_loss_param { source: "{H}" }', _infogain((6, 5), 1, False),
+        h_file=np.random.default_rng(5).uniform(0, 2, (5, 5))),
+    "contrastive_loss": Case(CONTRASTIVE + 'contrastive_loss_param { margin: 1.5 }', _pairs),
+    "contrastive_loss_legacy": Case(
+        CONTRASTIVE + 'contrastive_loss_param { margin: 1.5 legacy_version: true }', _pairs),
 }
 
 
-def build(layer: str, location: Location, two: bool) -> Net:
-    bottoms = {"x": X, "x2": X} if two else {"x": X}
-    return Net(layer_net(layer, bottoms), phase=TRAIN, dtype="float64", seed=3,
+def write_h(path: Path, h: np.ndarray) -> str:
+    """``h`` as a BlobProto file (the InfogainLoss source)."""
+    blob = pb.BlobProto()
+    blob.shape.dim.extend(h.shape)
+    blob.data.extend(h.reshape(-1).tolist())
+    path.write_bytes(blob.SerializeToString())
+    return str(path)
+
+
+def build(case: Case, inputs: dict[str, np.ndarray], location: Location,
+          tmp: Path | None = None) -> Net:
+    layer = case.layer
+    if case.h_file is not None:
+        layer = layer.replace("{H}", write_h(tmp / "H.binaryproto", case.h_file))
+    shapes = {n: v.shape for n, v in inputs.items()}
+    return Net(layer_net(layer, shapes), phase=TRAIN, dtype="float64", seed=3,
                location=location)
 
 
-def run(net: Net, inputs: dict, r: np.ndarray) -> dict[str, np.ndarray]:
+def run(net: Net, inputs: dict, top_diffs: dict) -> dict[str, np.ndarray]:
+    """Every top's values and every input's and parameter's gradient, after the forward
+    pass and a backward pass from ``top_diffs`` (a loss top's given diff stands for its loss
+    weight)."""
     net.forward(**inputs)
-    net.backward(y=r)
-    out = {"y": to_host(net.blobs["y"].data)}
+    net.backward(**top_diffs)
+    out = {t: to_host(net.blobs[t].data) for t in top_diffs}
     out.update({f"d{n}": to_host(net.blobs[n].diff) for n in inputs})
     out.update({f"{k}[{i}]": to_host(v.diff) for k, vs in net.params.items()
                 for i, v in enumerate(vs)})
     return out
 
 
+@requires_gpu_or_stand_in
 @pytest.mark.parametrize("name", sorted(LAYERS))
-def test_layer_forward_and_gradients_equal_the_cpus_in_float64(name):
-    two = name in ("eltwise", "concat")
+def test_layer_forward_and_gradients_equal_the_cpus_in_float64(name, tmp_path):
+    case = LAYERS[name]
     rng = np.random.default_rng(0)
-    inputs = {"x": rng.standard_normal(X)}
-    if two:
-        inputs["x2"] = rng.standard_normal(X)
-    cpu, gpu = build(LAYERS[name], Location(), two), build(LAYERS[name], GPU0, two)
+    inputs = case.inputs(rng)
+    cpu = build(case, inputs, Location(), tmp_path)
+    gpu = build(case, inputs, TABLE_LOCATION, tmp_path)
     for k, vs in cpu.params.items():  # the same initial weights
         for i, v in enumerate(vs):
+            if case.fill_params:
+                v.data[...] = rng.standard_normal(v.shape)
             assign(gpu.params[k][i].data, v.data)
-    r = rng.standard_normal(cpu.blobs["y"].shape)
-    want, got = run(cpu, inputs, r), run(gpu, inputs, r)
+    tops = cpu.builder.layers[-1].param.top
+    top_diffs = {t: rng.standard_normal(cpu.blobs[t].shape) for t in tops}
+    want, got = run(cpu, inputs, top_diffs), run(gpu, inputs, top_diffs)
     assert want.keys() == got.keys()
     for key in want:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-10, atol=1e-12,
                                    err_msg=f"{name}: {key}")
+    # the table means something: every layer that takes a gradient gives a nonzero one
+    grads = [v for k, v in want.items() if k.startswith("d") or "[" in k]
+    assert not grads or any(np.abs(g).max() > 1e-6 for g in grads), name
 
 
+@requires_gpu_or_stand_in
 @pytest.mark.parametrize("name", ["conv", "max_pool", "lrn", "ip"])
 def test_numerical_gradients_on_the_gpu(name):
     """Central differences computed on the GPU itself, for the layers with CUDA kernels."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal(X)
-    net = build(LAYERS[name], GPU0, False)
+    net = build(LAYERS[name], {"x": x}, TABLE_LOCATION)
     r = rng.standard_normal(net.blobs["y"].shape)
 
     def objective(xv: np.ndarray) -> float:
@@ -147,6 +275,7 @@ def losses(solver, n: int) -> list[float]:
     return [float(solver._iteration()) for _ in range(n)]
 
 
+@requires_gpu
 def test_lenet_on_the_gpu_reproduces_the_cpu_losses_over_100_iterations(tmp_path):
     from purine.caffe.solver import Solver
 
@@ -157,6 +286,7 @@ def test_lenet_on_the_gpu_reproduces_the_cpu_losses_over_100_iterations(tmp_path
     assert cpu[-1] < 0.5 * cpu[0]  # it learned
 
 
+@requires_gpu
 def test_shared_memory_and_two_streams_train_as_the_plain_gpu_run(tmp_path):
     from purine.caffe.solver import Solver
 
@@ -178,6 +308,7 @@ def cli(*args):
                           text=True, timeout=300)
 
 
+@requires_gpu
 def test_the_command_line_trains_times_and_queries_on_the_gpu(tmp_path):
     from tests.test_cli import NET, write_solver
 

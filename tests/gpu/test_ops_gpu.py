@@ -1,10 +1,13 @@
 """Every kernel of the generic op modules (activation, softmax, loss, normalization, array,
 tensor, inner_product) on a GPU against the same kernel on numpy, from one table of cases.
 Without a GPU, the fused kernels' CUDA C compiles for sm_90 and, run serially on the CPU, gives
-the numpy path's numbers bit for bit."""
+the numpy path's numbers bit for bit, and the device-only branches of the Filter and
+BatchReindex kernels run on numpy through a stand-in array module."""
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -12,14 +15,14 @@ import numpy as np
 import pytest
 
 from purine.backend import RandomStream
-from purine.errors import LabelError
+from purine.errors import LabelError, PurineError
 from purine.ops import activation as act
 from purine.ops import array as arr
 from purine.ops import inner_product as ip
 from purine.ops import loss, tensor
 from purine.ops import normalization as nm
 from purine.ops import softmax as sm
-from tests.gpu.common import requires_gpu
+from tests.gpu.common import STAND_IN, requires_gpu, requires_gpu_or_stand_in
 from tests.gpu.test_solver_gpu import emulate, nvcc_compiles
 
 SHAPE = (4, 3, 5, 6)
@@ -148,6 +151,67 @@ def _bn_global(factor):
 ODI = dict(outer=4, dim=3, inner=30)
 
 
+def _mll(fwd):
+    def make(rng, dt):
+        prob = _r(rng, dt, (8, 3, 2, 2), 0.05, 1.0)  # classes: the 12 values after axis 0
+        label = _labels(rng, dt, (8, 1, 1, 1), 12)
+        return [prob, label] + ([_z(dt, ())] if fwd else [np.array(0.8, dt), _z(dt, prob.shape)])
+    fn = loss.multinomial_logistic_loss_forward if fwd else loss.multinomial_logistic_loss_backward
+    return Case(f"mll_{'fwd' if fwd else 'bwd'}", fn, make)
+
+
+def _infogain(fwd, ignore, norm, axis=1):
+    kw = dict(axis=axis, ignore_label=ignore, normalization=norm)
+
+    def make(rng, dt):
+        c = SHAPE[axis]
+        lab = _labels(rng, dt, SHAPE[:axis] + SHAPE[axis + 1:], c, ignore)
+        h = _r(rng, dt, (c, c), 0.0, 2.0)
+        head = [_probs(rng, dt, axis), lab, h]
+        return head + ([_z(dt, ())] if fwd else [np.array(0.6, dt), _z(dt)])
+    fn = loss.infogain_loss_forward if fwd else loss.infogain_loss_backward
+    return Case(f"infogain_{'fwd' if fwd else 'bwd'}-{ignore}-{norm}-axis{axis}", fn, make,
+                kw=lambda: kw)
+
+
+def _contrastive_pairs(rng, dt):
+    """Features (12, 5) and partners at distances 0.2..3.5 (some dissimilar pairs inside the
+    margin 1.5, some outside, by distance and by its square), a third of them similar."""
+    a = _r(rng, dt, (12, 5))
+    u = rng.standard_normal((12, 5))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    b = (a + u * np.linspace(0.2, 3.5, 12)[:, None]).astype(dt).reshape(12, 5, 1, 1)
+    return [a, b, np.tile(np.array([1, 0, 0], dt), 4)]
+
+
+def _contrastive(fwd, legacy, sign=1.0):
+    kw = dict(margin=1.5, legacy_version=legacy) | ({} if fwd else dict(sign=sign))
+    if fwd:
+        return Case(f"contrastive_fwd-legacy{legacy}", loss.contrastive_loss_forward,
+                    lambda rng, dt: _contrastive_pairs(rng, dt) + [_z(dt, ())], kw=lambda: kw)
+    return Case(f"contrastive_bwd-legacy{legacy}{sign:+}", loss.contrastive_loss_backward,
+                lambda rng, dt: _contrastive_pairs(rng, dt) + [np.array(0.9, dt),
+                                                               _z(dt, (12, 5))],
+                kw=lambda: kw)
+
+
+def _mvn_fwd(across, variance):
+    groups = 4 if across else 12
+    return Case(f"mvn_fwd-across{across}-variance{variance}", nm.mvn_forward,
+                lambda rng, dt: [_r(rng, dt, lo=-1, hi=3), _z(dt)]
+                + ([_z(dt, (groups,))] if variance else []), n_out=1 + variance,
+                kw=lambda: dict(groups=groups, eps=1e-3))
+
+
+def _selector(rng, dt):
+    """Six items, four selected (NaN counts as selected, as any nonzero value)."""
+    return np.array([1, 0, 2.5, 0, np.nan, -1], dt)
+
+
+def _reindex_permut(dt):
+    return np.array([3, 0, 3.7, 5, 1, 3, 0.2], dt)  # repeats, and fractions truncated
+
+
 def _embed(rng, dtype, with_bias=True):
     x = rng.integers(0, 7, (4, 5)).astype(dtype)
     w = _r(rng, dtype, (7, 6))
@@ -246,6 +310,19 @@ CASES = [
     Case("dropout_bwd", act.dropout_backward,
          lambda rng, dt: [rng.integers(0, 2, SHAPE).astype("uint8"), _r(rng, dt), _z(dt)],
          kw=lambda: dict(ratio=0.3)),
+    Case("swish_fwd", act.swish_forward, lambda rng, dt: [_r(rng, dt, lo=-6, hi=6), _z(dt),
+                                                         _z(dt)], n_out=2,
+         kw=lambda: dict(beta=0.7)),
+    Case("swish_fwd_inplace", act.swish_forward,
+         lambda rng, dt: (lambda x: [x, x, _z(dt)])(_r(rng, dt, lo=-6, hi=6)), n_out=2,
+         kw=lambda: dict(beta=1.0)),
+    Case("swish_bwd", act.swish_backward,
+         lambda rng, dt: [_r(rng, dt), _y_dy_dx()(rng, dt)[0], _r(rng, dt), _z(dt)],
+         kw=lambda: dict(beta=0.7)),
+    Case("clip_fwd", act.clip_forward, _x_y, kw=lambda: dict(lo=-0.5, hi=1.2)),
+    Case("clip_fwd_inplace", act.clip_forward, _inplace(_x_y), kw=lambda: dict(lo=-0.5, hi=1.2)),
+    Case("clip_fwd_lo_above_hi", act.clip_forward, _x_y, kw=lambda: dict(lo=0.4, hi=-0.4)),
+    Case("clip_bwd", act.clip_backward, _x_dy_dx, kw=lambda: dict(lo=-0.5, hi=1.2)),
     # softmax
     Case("softmax_fwd_axis1", sm.softmax_forward, _x_y, kw=lambda: dict(axis=1)),
     Case("softmax_fwd_axis3_inplace", sm.softmax_forward, _inplace(_x_y),
@@ -271,6 +348,14 @@ CASES = [
            kw=lambda n=n: dict(norm=n)) for n in ("L1", "L2")],
     _accuracy(1, None, False), _accuracy(2, None, True), _accuracy(1, 1, True),
     _accuracy(2, 0, False, axis=3),
+    _mll(True), _mll(False),
+    *[_infogain(f, ig, n) for f in (True, False) for ig, n in ((None, "VALID"), (2, "VALID"),
+                                                              (2, "FULL"), (None, "NONE"))],
+    _infogain(True, 1, "BATCH_SIZE", axis=3), _infogain(False, 1, "BATCH_SIZE", axis=3),
+    Case("infogain_matrix", loss.infogain_matrix, lambda rng, dt: [_z(dt, (5, 5))],
+         kw=lambda: dict(value=np.arange(25.0).reshape(5, 5))),
+    *[_contrastive(True, legacy) for legacy in (False, True)],
+    *[_contrastive(False, legacy, s) for legacy in (False, True) for s in (1.0, -1.0)],
     # normalization
     Case("bn_fwd_train", nm.batch_norm_forward_train, _bn_train, n_out=6,
          kw=lambda: dict(channels=3, moving_average_fraction=0.999, eps=1e-5)),
@@ -297,6 +382,18 @@ CASES = [
                                                        _z(dt)], kw=lambda: ODI),
     Case("bias_bwd", nm.bias_backward_bias, lambda rng, dt: [_r(rng, dt), _z(dt, (3,))],
          kw=lambda: ODI),
+    *[_mvn_fwd(a, v) for a in (False, True) for v in (False, True)],
+    Case("mvn_fwd_inplace", nm.mvn_forward,
+         lambda rng, dt: (lambda x: [x, x, _z(dt, (12,))])(_r(rng, dt)), n_out=2,
+         kw=lambda: dict(groups=12, eps=1e-9)),
+    Case("mvn_bwd", nm.mvn_backward,
+         lambda rng, dt: [_r(rng, dt), _r(rng, dt, (12,), 0.5, 2.0), _r(rng, dt), _z(dt)],
+         kw=lambda: dict(groups=12), rtol32=1e-4),
+    Case("mvn_bwd_dx_is_dy", nm.mvn_backward,
+         lambda rng, dt: (lambda dy: [_r(rng, dt), _r(rng, dt, (4,), 0.5, 2.0), dy, dy])(
+             _r(rng, dt)), kw=lambda: dict(groups=4), rtol32=1e-4),
+    Case("mvn_bwd_mean", nm.mvn_backward_mean, lambda rng, dt: [_r(rng, dt), _z(dt)],
+         kw=lambda: dict(groups=12)),
     # array
     Case("concat", arr.concat_forward,
          lambda rng, dt: [_r(rng, dt, (4, 2, 5)), _r(rng, dt, (4, 3, 5)), _z(dt, (4, 5, 5))],
@@ -348,6 +445,19 @@ CASES = [
                           _z(dt, (7, 6))], kw=lambda: dict(input_dim=7)),
     Case("embed_bwd_bias", arr.embed_backward_bias,
          lambda rng, dt: [_r(rng, dt, (4, 5, 6)), _z(dt, (6,))]),
+    Case("filter_fwd", arr.filter_forward,
+         lambda rng, dt: [_r(rng, dt, (6, 3, 2)), _r(rng, dt, (6,)), _selector(rng, dt),
+                          _z(dt, (4, 3, 2)), _z(dt, (4,))], n_out=2,
+         kw=lambda: dict(bottoms=2)),
+    Case("filter_fwd_all", arr.filter_forward,
+         lambda rng, dt: [_r(rng, dt), np.ones((4, 1), dt), _z(dt)],
+         kw=lambda: dict(bottoms=1)),
+    Case("filter_bwd", arr.filter_backward,
+         lambda rng, dt: [_selector(rng, dt), _r(rng, dt, (4, 3, 2)), _r(rng, dt, (6, 3, 2))]),
+    Case("batch_reindex_fwd", arr.batch_reindex_forward,
+         lambda rng, dt: [_r(rng, dt, (6, 5, 2)), _reindex_permut(dt), _z(dt, (7, 5, 2))]),
+    Case("batch_reindex_bwd", arr.batch_reindex_backward,
+         lambda rng, dt: [_reindex_permut(dt), _r(rng, dt, (7, 5, 2)), _r(rng, dt, (6, 5, 2))]),
     # tensor
     Case("fill", tensor.fill, lambda rng, dt: [_r(rng, dt)], kw=lambda: dict(value=0.25)),
     Case("copy", tensor.copy, _x_y),
@@ -375,17 +485,22 @@ CASES = [
 
 
 def _run(case: Case, dtype: str, device: bool) -> list[np.ndarray]:
-    """The case's outputs after one call, on numpy or on the GPU (same inputs, same seed)."""
+    """The case's outputs after one call, on numpy or on the GPU (same inputs, same seed);
+    under the CPU stand-in the 'GPU' arrays are numpy copies, moved as cupy's would be."""
     args = case.make(np.random.default_rng(12345), dtype)
     if device:
-        import cupy
+        if STAND_IN:
+            to_device, to_host = np.array, np.asarray
+        else:
+            import cupy
 
-        moved: dict[int, object] = {}
-        args = [moved.setdefault(id(a), cupy.asarray(a)) if isinstance(a, np.ndarray) else a
+            to_device, to_host = cupy.asarray, cupy.asnumpy
+        moved: dict[int, object] = {}  # an array given twice (in place) moves once
+        args = [moved.setdefault(id(a), to_device(a)) if isinstance(a, np.ndarray) else a
                 for a in args]
     case.fn(*args, **case.kw())
     outs = args[-case.n_out:]
-    return [o.get() if device else o for o in outs]
+    return [to_host(o) for o in outs] if device else outs
 
 
 # -- without a GPU -----------------------------------------------------------------------------
@@ -467,8 +582,75 @@ def test_fused_softmax_loss_grad_bit_for_bit_emulated(ignore, dtype):
     np.testing.assert_array_equal(got.reshape(SHAPE), want)
 
 
+class DeviceLike:
+    """numpy under another name, so that the array kernels take the branches a GPU takes
+    (``xp is not np``); its argsort is stable whatever the kind, as CuPy's always is."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def argsort(a, axis=-1, kind=None):
+        return np.argsort(a, axis=axis, kind="stable")
+
+
+@pytest.fixture
+def device_branch(monkeypatch):
+    monkeypatch.setattr(arr, "get_array_module", lambda *a: DeviceLike())
+    # CuPy's scatter-add, which sums repeated indices as np.add.at does
+    monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(scatter_add=np.add.at))
+
+
+def test_filter_device_branch_gathers_and_turns_a_wrong_count_into_nan(device_branch):
+    rng = np.random.default_rng(4)
+    x, x2, sel = rng.standard_normal((6, 3, 2)), rng.standard_normal(6), _selector(rng, "f8")
+    keep = [0, 2, 4, 5]  # the nonzero selector values, NaN included, in order
+    y, y2 = np.zeros((4, 3, 2)), np.zeros(4)
+    arr.filter_forward(x, x2, sel, y, y2, bottoms=2)
+    np.testing.assert_array_equal(y, x[keep])
+    np.testing.assert_array_equal(y2, x2[keep])
+    dy, dx = rng.standard_normal((4, 3, 2)), np.full((6, 3, 2), 7.0)
+    arr.filter_backward(sel, dy, dx)
+    want = np.zeros((6, 3, 2))
+    want[keep] = dy
+    np.testing.assert_array_equal(dx, want)
+    # where the host raises (the tops were built for 4 items), the device writes NaN
+    for rows in (3, 5):
+        y = np.zeros((rows, 3, 2))
+        arr.filter_forward(x, sel, y, bottoms=1)
+        assert np.isnan(y).all(), rows
+
+
+def test_filter_wrong_count_is_an_error_on_the_host():
+    with pytest.raises(PurineError, match=r"selects 4 of 6 items, but the tops were built "
+                                          r"with 5"):
+        arr.filter_forward(np.zeros((6, 2)), _selector(None, "f8"), np.zeros((5, 2)),
+                           bottoms=1)
+
+
+def test_batch_reindex_device_branch_sums_repeats_and_turns_bad_indices_into_nan(device_branch):
+    rng = np.random.default_rng(5)
+    x, permut = rng.standard_normal((6, 5, 2)), _reindex_permut("f8")
+    idx = [3, 0, 3, 5, 1, 3, 0]  # truncated toward zero
+    y = np.zeros((7, 5, 2))
+    arr.batch_reindex_forward(x, permut, y)
+    np.testing.assert_array_equal(y, x[idx])
+    dy, dx = rng.standard_normal((7, 5, 2)), np.full((6, 5, 2), 7.0)
+    arr.batch_reindex_backward(permut, dy, dx)
+    want = np.zeros((6, 5, 2))
+    for i, j in enumerate(idx):
+        want[j] += dy[i]
+    np.testing.assert_allclose(dx, want, rtol=1e-15)
+    assert not dx[[2, 4]].any()  # never picked
+    bad = np.array([1.0, 6.0, -1.0, np.nan, 5.9])
+    y = np.zeros((5, 5, 2))
+    arr.batch_reindex_forward(x, bad, y)  # no error on a GPU: NaN rows instead
+    np.testing.assert_array_equal(np.isnan(y).all(axis=(1, 2)), [False, True, True, True, False])
+    np.testing.assert_array_equal(y[[0, 4]], x[[1, 5]])
+
+
 # -- on a GPU ----------------------------------------------------------------------------------
-@requires_gpu
+@requires_gpu_or_stand_in
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_op_on_gpu_matches_numpy(case, dtype):
