@@ -12,7 +12,7 @@ from purine.caffe.layer import LayerBuild, register
 from purine.caffe.layers.common import canonical_axis
 from purine.graph import Blob
 from purine.ops import array as arr
-from purine.ops import conv, lrn, pooling, tensor
+from purine.ops import conv, im2col, lrn, pooling, tensor
 
 
 def _no_in_place(L: LayerBuild) -> None:
@@ -346,7 +346,7 @@ def im2col_layer(L: LayerBuild):
                          ("dilation", dilation)):
         if min(values) < 1:
             raise L.error(f"{what} must be positive, got {values}")
-    geom = pooling.Im2colGeometry(
+    geom = im2col.Im2colGeometry(
         num=math.prod(x.shape[:axis]), channels=x.shape[axis], size=x.shape[axis + 1:],
         kernel=tuple(kernel), stride=tuple(stride), pad=tuple(pad), dilation=tuple(dilation))
     if min(geom.out) < 1:
@@ -354,11 +354,11 @@ def im2col_layer(L: LayerBuild):
         raise L.error(f"kernel extent {extent} exceeds the padded input: bottom "
                       f"'{x.name}' {x.shape} with pad {pad}")
     y = L.top(0, x.shape[:axis] + (x.shape[axis] * math.prod(kernel),) + geom.out)
-    L.forward(pooling.im2col_forward, [x], [y], geom=geom)
+    L.forward(im2col.im2col_forward, [x], [y], geom=geom)
 
     def backward():
         if L.needs_diff(0):
-            L.backward(pooling.im2col_backward, [L.top_diff(0)], [L.bottom_diff(0)],
+            L.backward(im2col.im2col_backward, [L.top_diff(0)], [L.bottom_diff(0)],
                        geom=geom)
     return backward
 
