@@ -86,10 +86,11 @@ class LayerBuild:
     """One layer under construction: its parameter message, bottoms, tops, parameter blobs,
     and the net-level services (blob naming, gradients, fillers, op placement)."""
 
-    def __init__(self, net: NetBuilder, param: pb.LayerParameter, index: int):
+    def __init__(self, net: NetBuilder, param: pb.LayerParameter, index: int,
+                 name: str | None = None):
         self.net = net
         self.param = param
-        self.name = param.name
+        self.name = name or param.name  # what its ops and blobs are named after
         self.type = param.type
         self.index = index
         self.phase = net.phase

@@ -153,21 +153,26 @@ class NetBuilder:
         backwards = []
         names: set[str] = set()
         for i, lp in enumerate(self.param.layer):
-            if lp.name in names:
-                raise LayerError(lp.name, lp.type, "a layer name used twice; every layer "
-                                 "needs its own name (parameters are named after it)")
-            names.add(lp.name)
             builder = BUILDERS.get(lp.type)
             if builder is None:
                 raise LayerError(lp.name, lp.type, "unknown layer type; known types: "
                                  + ", ".join(sorted(BUILDERS)))
-            L = LayerBuild(self, lp, i)
+            # Caffe lets two layers share a name (BVLC's mnist_autoencoder has two "loss"
+            # layers); ops and blobs are named after their layer, so a repeat builds under
+            # a name of its own, and only a layer without parameters may repeat a name.
+            repeat = lp.name in names
+            names.add(lp.name)
+            L = LayerBuild(self, lp, i, f"{lp.name}#{i}" if repeat else None)
             try:
                 backwards.append(builder(L))
             except LayerError:
                 raise
             except PurineError as e:
                 raise L.error(str(e)) from None
+            if repeat and L.params:
+                raise LayerError(lp.name, lp.type, "a layer name used twice, here by a layer "
+                                 "with parameters; parameters are named after their layer "
+                                 "(in .caffemodel files too): give this layer its own name")
             if len(L.tops) != len(lp.top):
                 raise L.error(f"declares {len(lp.top)} tops, the layer makes {len(L.tops)}")
             if len(L.loss_weights) > len(L.tops):
@@ -330,7 +335,7 @@ class Net:
         self.dispatcher = Dispatcher(self.graph)
         for blob, value in b.initial.items():
             assign(self.dispatcher.array(blob), value)
-        self.layer_names = [L.name for L in b.layers]
+        self.layer_names = [L.param.name for L in b.layers]
         self.layer_types = [L.type for L in b.layers]
         self.blobs: OrderedDict[str, BlobView] = OrderedDict(
             (n, BlobView(self, n, b.data[n], b._diffs.get(n))) for n in b.blob_names)

@@ -233,7 +233,19 @@ layer {{ name: "ip2" type: "InnerProduct" bottom: "a" top: "b" param {{ name: "w
 """))
 
 
-def test_a_layer_name_used_twice_is_named():
-    with pytest.raises(LayerError, match="layer 'r' .*a layer name used twice"):
-        Net(net_text('layer { name: "r" type: "ReLU" bottom: "x" top: "y" }\n'
-                     'layer { name: "r" type: "ReLU" bottom: "y" top: "z" }'))
+def test_a_layer_name_used_twice():
+    """Caffe allows it (BVLC's mnist_autoencoder has two layers named "loss"): both run, and
+    pycaffe's names repeat; a repeat with parameters is refused, since parameters (and
+    .caffemodel records) are named after their layer."""
+    net = Net(net_text('layer { name: "r" type: "ReLU" bottom: "x" top: "y" }\n'
+                       'layer { name: "r" type: "Power" bottom: "y" top: "z" '
+                       'power_param { scale: 2 } }'))
+    x = np.array([[-1.0, 2.0, -3.0, 4.0]] * 3, dtype=np.float32)
+    out = net.forward(x=x)
+    np.testing.assert_array_equal(out["z"], 2 * np.maximum(x, 0))
+    assert net.layer_names[-2:] == ["r", "r"]
+    with pytest.raises(LayerError, match="layer 'r' .*a layer name used twice, here by a "
+                                         "layer with parameters"):
+        Net(net_text(f'layer {{ name: "r" type: "ReLU" bottom: "x" top: "y" }}\n'
+                     f'layer {{ name: "r" type: "InnerProduct" bottom: "y" top: "z" '
+                     f'{IP.format(n=4)} }}'))
