@@ -256,9 +256,9 @@ def _stand_ins(param: pb.NetParameter, stand_in: Mapping[str, Sequence[int]]
 
 
 def _build_hint(e: PurineError, param: pb.NetParameter) -> DrawError:
-    from purine.caffe.prototxt import DATA_LAYER_TYPES
+    from purine.caffe.prototxt import is_data_layer
 
-    data = [lp for lp in param.layer if lp.type in DATA_LAYER_TYPES]
+    data = [lp for lp in param.layer if is_data_layer(lp)]
     hint = ""
     if data:
         tops = sorted({t for lp in data for t in lp.top})

@@ -211,6 +211,12 @@ def insert_splits(net: pb.NetParameter) -> pb.NetParameter:
 DATA_LAYER_TYPES = ("Data", "ImageData", "HDF5Data", "MemoryData", "WindowData", "Python")
 
 
+def is_data_layer(layer: pb.LayerParameter) -> bool:
+    """A layer that reads a dataset: a data type, or a Python layer with no bottoms (one with
+    bottoms computes, as pycaffe's loss layers do)."""
+    return layer.type in DATA_LAYER_TYPES and not (layer.type == "Python" and layer.bottom)
+
+
 def replace_data_layers(net: pb.NetParameter, shapes: dict[str, tuple[int, ...]]
                         ) -> pb.NetParameter:
     """The net with each data layer replaced by an Input layer whose tops get ``shapes``
@@ -218,7 +224,7 @@ def replace_data_layers(net: pb.NetParameter, shapes: dict[str, tuple[int, ...]]
     out = pb.NetParameter()
     out.CopyFrom(net)
     for layer in out.layer:
-        if layer.type not in DATA_LAYER_TYPES:
+        if not is_data_layer(layer):
             continue
         missing = [t for t in layer.top if t not in shapes]
         if missing:

@@ -6,7 +6,7 @@ import pytest
 
 from purine.caffe import TEST, TRAIN, Net
 from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import filter_net, insert_splits, parse_text
+from purine.caffe.prototxt import filter_net, insert_splits, parse_text, replace_data_layers
 from purine.errors import LayerError, ProtoError
 
 IP = 'inner_product_param {{ num_output: {n} weight_filler {{ type: "gaussian" std: 1 }} ' \
@@ -249,3 +249,17 @@ def test_a_layer_name_used_twice():
         Net(net_text(f'layer {{ name: "r" type: "ReLU" bottom: "x" top: "y" }}\n'
                      f'layer {{ name: "r" type: "InnerProduct" bottom: "y" top: "z" '
                      f'{IP.format(n=4)} }}'))
+
+
+def test_replace_data_layers_keeps_python_layers_that_compute():
+    net = parse_text('''
+layer { name: "d" type: "Python" top: "x" top: "y" python_param { module: "m" layer: "Src" } }
+layer { name: "ip" type: "InnerProduct" bottom: "x" top: "p" inner_product_param { num_output: 1 } }
+layer { name: "loss" type: "Python" bottom: "p" bottom: "y" top: "loss"
+        python_param { module: "m" layer: "Loss" } }''', pb.NetParameter())
+    out = replace_data_layers(net, {"x": (2, 3), "y": (2, 1)})
+    assert [lp.type for lp in out.layer] == ["Input", "InnerProduct", "Python"]
+    assert [tuple(s.dim) for s in out.layer[0].input_param.shape] == [(2, 3), (2, 1)]
+    with pytest.raises(ProtoError, match=r"layer 'd' \(Python\): no stand-in shape for "
+                                         r"top\(s\) y"):
+        replace_data_layers(net, {"x": (2, 3)})
