@@ -297,7 +297,7 @@ def stochastic_pool_forward_train(x: Array, y: Array, index: Array, *, geom: Poo
         # it in scan order (offset (0, 0) is always inside) has the same running sum.
         xp.greater_equal(running, threshold, out=hit)
         hit &= code == none
-        xp.copyto(code, o, where=hit)
+        xp.copyto(code, np.int32(o), where=hit)
         xp.copyto(y4, cur, where=hit)
     plane_offsets = xp.asarray([i * g.width + j for i, j in offsets] + [0])
     picked = plane_offsets[code] + _window_starts(xp, g)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from purine.backend import assign, synchronize, to_host
-from purine.caffe import TRAIN, Net
+from purine.caffe import TEST, TRAIN, Net
 from purine.caffe import caffe_pb2 as pb
 from purine.graph import Location
 from tests.gpu.common import GPU0, TABLE_LOCATION, requires_gpu, requires_gpu_or_stand_in
@@ -37,11 +37,12 @@ def _x_x2(rng: np.random.Generator) -> dict[str, np.ndarray]:
 class Case:
     """One layer (prototxt body; ``{H}`` stands for the path of ``h_file``'s BlobProto) and
     its bottoms' values; ``fill_params`` gives the layer's parameters random values where
-    no filler does."""
+    no filler does; ``phase`` is the nets' (STOCHASTIC pooling differs by phase)."""
     layer: str
     inputs: Inputs = _x
     fill_params: bool = False
     h_file: np.ndarray | None = None
+    phase: int = TRAIN
 
 
 def _mll(shape: tuple[int, ...], label_shape: tuple[int, ...]) -> Inputs:
@@ -87,6 +88,60 @@ def _reindex(rng: np.random.Generator) -> dict[str, np.ndarray]:
     return {"x": rng.standard_normal(X), "permut": np.array([1.0, 0.0, 1.0])}
 
 
+def _positive(shape: tuple[int, ...]) -> Inputs:
+    """Non-negative values (what STOCHASTIC pooling samples from), some windows all zero."""
+    def make(rng):
+        x = rng.uniform(0, 1, shape)
+        x[0, 0, :2, :2] = 0
+        return {"x": x}
+    return make
+
+
+def _sequences(type_: str, static: bool, exposed: bool) -> Inputs:
+    """T = 4 steps of N = 3 sequences: x (4, 3, 2, 3), cont with a reset at t = 0 and two
+    inside (t = 2 for sequence 1, t = 3 for sequence 2), [x_static (3, 5)], [h_0, c_0]."""
+    def make(rng):
+        cont = np.ones((4, 3))
+        cont[0] = 0
+        cont[2, 1] = cont[3, 2] = 0
+        out = {"x": rng.standard_normal((4, 3, 2, 3)), "cont": cont}
+        if static:
+            out["xs"] = rng.standard_normal((3, 5))
+        if exposed:
+            out["h0"] = rng.standard_normal((1, 3, 4))
+            if type_ == "LSTM":
+                out["c0"] = rng.standard_normal((1, 3, 4))
+        return out
+    return make
+
+
+def _recurrent(type_: str, static: bool = False, exposed: bool = False) -> Case:
+    state = ["h0"] + (["c0"] if type_ == "LSTM" else [])
+    bottoms = ["x", "cont"] + (["xs"] if static else []) + (state if exposed else [])
+    tops = ["y"] + ([s.replace("0", "T") for s in state] if exposed else [])
+    wiring = " ".join([f'bottom: "{b}"' for b in bottoms] + [f'top: "{t}"' for t in tops])
+    return Case(f'name: "l" type: "{type_}" {wiring} recurrent_param {{ num_output: 4 '
+                'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" } '
+                f'expose_hidden: {str(exposed).lower()} }}', _sequences(type_, static, exposed))
+
+
+def _lstm_unit(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"c_prev": rng.standard_normal((1, 4, 3)), "x": rng.standard_normal((1, 4, 12)),
+            "cont": np.array([[1.0, 0.0, 1.0, 0.0]])}
+
+
+def _spp(pool: str, height: int) -> str:
+    return (f'name: "l" type: "SPP" bottom: "x" top: "y" spp_param {{ pyramid_height: {height} '
+            f'pool: {pool} }}')
+
+
+def _im2col(params: str, shape: tuple[int, ...] = X) -> Case:
+    return Case(f'name: "l" type: "Im2col" bottom: "x" top: "y" convolution_param {{ {params} }}',
+                lambda rng: {"x": rng.standard_normal(shape)})
+
+
+STOCHASTIC = ('name: "l" type: "Pooling" bottom: "x" top: "y" pooling_param { pool: STOCHASTIC '
+              'kernel_size: 3 stride: 2 }')
 INFOGAIN = 'name: "l" type: "InfogainLoss" bottom: "x" bottom: "label" '
 CONTRASTIVE = 'name: "l" type: "ContrastiveLoss" bottom: "a" bottom: "b" bottom: "sim" top: "y" '
 LAYERS = {
@@ -158,6 +213,27 @@ LAYERS = {
     "contrastive_loss": Case(CONTRASTIVE + 'contrastive_loss_param { margin: 1.5 }', _pairs),
     "contrastive_loss_legacy": Case(
         CONTRASTIVE + 'contrastive_loss_param { margin: 1.5 legacy_version: true }', _pairs),
+    # recurrent: resets inside the sequences, the static input, the exposed state
+    **{f"{t.lower()}{'_static' * s}{'_exposed' * e}": _recurrent(t, s, e)
+       for t in ("RNN", "LSTM") for s in (False, True) for e in (False, True)},
+    "lstm_unit": Case('name: "l" type: "LSTMUnit" bottom: "c_prev" bottom: "x" bottom: "cont" '
+                      'top: "c" top: "h"', _lstm_unit),
+    # SPP: height 1 is one global pooling; 3 pads the 4x4 bins over the 7x7 image
+    **{f"spp_{p.lower()}_{h}": Case(_spp(p, h)) for p in ("MAX", "AVE") for h in (1, 2, 3)},
+    "spp_stochastic_test": Case(_spp("STOCHASTIC", 3), _positive((2, 3, 8, 8)), phase=TEST),
+    # STOCHASTIC: TEST's weighted average; TRAIN's picks come from the layer's host stream,
+    # so both nets draw the same ones and the backward routes through the same positions
+    "stochastic_pool_test": Case(STOCHASTIC, _positive(X), phase=TEST),
+    "stochastic_pool_train": Case(STOCHASTIC, _positive(X)),
+    # stride 4 over 7 columns: the third window starts past the image and picks nothing
+    "stochastic_pool_train_gaps": Case(STOCHASTIC.replace("kernel_size: 3 stride: 2",
+                                                          "kernel_size: 2 stride: 4"),
+                                       _positive(X)),
+    "im2col": _im2col("kernel_size: 3 stride: 2 pad: 1 dilation: 2"),
+    "im2col_rect": _im2col("kernel_h: 2 kernel_w: 3 stride_h: 1 stride_w: 2 pad_h: 1 pad_w: 0"),
+    "im2col_3d": _im2col("kernel_size: 2 kernel_size: 3 kernel_size: 2 stride: 2 pad: 1 "
+                         "dilation: 1 dilation: 2 dilation: 1", (2, 3, 5, 6, 4)),
+    "im2col_axis2": _im2col("kernel_size: 3 pad: 1 axis: 2", (2, 3, 4, 6, 5)),
 }
 
 
@@ -176,7 +252,7 @@ def build(case: Case, inputs: dict[str, np.ndarray], location: Location,
     if case.h_file is not None:
         layer = layer.replace("{H}", write_h(tmp / "H.binaryproto", case.h_file))
     shapes = {n: v.shape for n, v in inputs.items()}
-    return Net(layer_net(layer, shapes), phase=TRAIN, dtype="float64", seed=3,
+    return Net(layer_net(layer, shapes), phase=case.phase, dtype="float64", seed=3,
                location=location)
 
 
@@ -219,9 +295,10 @@ def test_layer_forward_and_gradients_equal_the_cpus_in_float64(name, tmp_path):
 
 
 @requires_gpu_or_stand_in
-@pytest.mark.parametrize("name", ["conv", "max_pool", "lrn", "ip"])
+@pytest.mark.parametrize("name", ["conv", "max_pool", "lrn", "ip", "spp_max_3", "im2col"])
 def test_numerical_gradients_on_the_gpu(name):
-    """Central differences computed on the GPU itself, for the layers with CUDA kernels."""
+    """Central differences computed on the GPU itself, for the layers with CUDA kernels (and
+    SPP's padded pyramid and Im2col's strided windows, written as CuPy array code)."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal(X)
     net = build(LAYERS[name], {"x": x}, TABLE_LOCATION)

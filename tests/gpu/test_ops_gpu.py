@@ -1,8 +1,9 @@
 """Every kernel of the generic op modules (activation, softmax, loss, normalization, array,
-tensor, inner_product) on a GPU against the same kernel on numpy, from one table of cases.
-Without a GPU, the fused kernels' CUDA C compiles for sm_90 and, run serially on the CPU, gives
-the numpy path's numbers bit for bit, and the device-only branches of the Filter and
-BatchReindex kernels run on numpy through a stand-in array module."""
+tensor, inner_product, recurrent, im2col) and pooling's STOCHASTIC kernels (array code) on a
+GPU against the same kernel on numpy, from one table of cases. Without a GPU, the fused
+kernels' CUDA C compiles for sm_90 and, run serially on the CPU, gives the numpy path's numbers
+bit for bit, and the device-only branches of the Filter, BatchReindex and STOCHASTIC backward
+kernels run on numpy through a stand-in array module (the last with our CUDA C emulated)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from purine.backend import RandomStream
+from purine.backend import RandomStream, cuda
 from purine.errors import LabelError, PurineError
 from purine.ops import activation as act
 from purine.ops import array as arr
+from purine.ops import im2col as i2c
 from purine.ops import inner_product as ip
 from purine.ops import loss, tensor
 from purine.ops import normalization as nm
+from purine.ops import pooling as pl
+from purine.ops import recurrent as rec
 from purine.ops import softmax as sm
+from tests.gpu import emulate as cuda_emulate
 from tests.gpu.common import STAND_IN, requires_gpu, requires_gpu_or_stand_in
+from tests.gpu.test_cuda_sources import pool_geometry
 from tests.gpu.test_solver_gpu import emulate, nvcc_compiles
 
 SHAPE = (4, 3, 5, 6)
@@ -243,6 +249,127 @@ def _argmax(axis, top_k, out_max_val):
             y = _z(dtype, tuple(shape))
         return [x, y]
     return Case(f"argmax-{axis}-{top_k}-{out_max_val}", arr.argmax_forward, make, kw=lambda: kw)
+
+
+# -- STOCHASTIC pooling (no padding) and Im2col: array code on every device -------------
+# overlapping 3x3 windows, the last column's clipped; windows (third row) past the image
+STOCHASTIC_GEOMS = {"overlap": pool_geometry(4, 3, 5, 6, (3, 3), (2, 2), (0, 0)),
+                    "gaps": pool_geometry(4, 3, 5, 6, (1, 2), (3, 4), (0, 0))}
+
+
+def _nonneg(rng, dtype):
+    """Values to sample from: non-negative, the first 2x2 of every plane zero (all-zero
+    windows: TEST's FLT_MIN denominator, TRAIN's first-position pick)."""
+    x = _r(rng, dtype, lo=0.0, hi=1.0)
+    x[:, :, :2, :2] = 0
+    return x
+
+
+def _pooled(g: pl.PoolGeometry) -> tuple[int, ...]:
+    return (g.num, g.channels, g.pooled_h, g.pooled_w)
+
+
+def _stochastic(kind: str, geom: str) -> Case:
+    g = STOCHASTIC_GEOMS[geom]
+    kw = dict(geom=g)
+    if kind == "fwd_train":
+        return Case(f"stochastic_fwd_train-{geom}", pl.stochastic_pool_forward_train,
+                    lambda rng, dt: [_nonneg(rng, dt), _z(dt, _pooled(g)),
+                                     np.full(_pooled(g), 7, np.int32)], n_out=2,
+                    kw=lambda: kw | dict(rng=RandomStream(9, 2)))
+    if kind == "bwd_train":
+        def make(rng, dt):
+            """The routing given the picks a forward recorded (-1 where none)."""
+            index = np.zeros(_pooled(g), np.int32)
+            pl.stochastic_pool_forward_train(_nonneg(rng, dt), _z(dt, _pooled(g)), index,
+                                             geom=g, rng=RandomStream(9, 3))
+            return [_r(rng, dt, _pooled(g)), index, _r(rng, dt)]
+        return Case(f"stochastic_bwd_train-{geom}", pl.stochastic_pool_backward, make,
+                    kw=lambda: kw)
+    if kind == "fwd_test":
+        return Case(f"stochastic_fwd_test-{geom}", pl.stochastic_pool_forward_test,
+                    lambda rng, dt: [_nonneg(rng, dt), _z(dt, _pooled(g))], kw=lambda: kw)
+    return Case(f"stochastic_bwd_test-{geom}", pl.stochastic_pool_backward_test,
+                lambda rng, dt: [_nonneg(rng, dt), _r(rng, dt, _pooled(g)), _r(rng, dt)],
+                kw=lambda: kw, rtol32=1e-4)
+
+
+IM2COL_GEOMS = {  # (num, channels, size, kernel, stride, pad, dilation)
+    "2d": i2c.Im2colGeometry(4, 3, (5, 6), (3, 2), (2, 1), (1, 0), (2, 1)),
+    "3d": i2c.Im2colGeometry(2, 3, (4, 5, 6), (2, 3, 2), (1, 2, 2), (1, 0, 1), (1, 1, 2)),
+    "1d": i2c.Im2colGeometry(4, 3, (9,), (3,), (2,), (1,), (3,)),
+}
+
+
+def _im2col(fwd: bool, geom: str) -> Case:
+    g = IM2COL_GEOMS[geom]
+    x_shape = (g.num, g.channels) + g.size
+    y_shape = (g.num, g.channels * int(np.prod(g.kernel))) + g.out
+    if fwd:
+        return Case(f"im2col_fwd-{geom}", i2c.im2col_forward,
+                    lambda rng, dt: [_r(rng, dt, x_shape), _z(dt, y_shape)],
+                    kw=lambda: dict(geom=g))
+    return Case(f"im2col_bwd-{geom}", i2c.im2col_backward,
+                lambda rng, dt: [_r(rng, dt, y_shape), _r(rng, dt, x_shape)],
+                kw=lambda: dict(geom=g))
+
+
+# -- recurrent: T = 4 steps, N = 3 sequences, H = 5 ------------------------------------------
+T, N, H = 4, 3, 5
+
+
+def _cont(dt):
+    """A reset at t = 0 and two inside the sequences."""
+    c = np.ones((T, N), dt)
+    c[0] = 0
+    c[2, 1] = c[3, 2] = 0
+    return c
+
+
+def _rnn_fwd(state_in_place: bool):
+    def make(rng, dt):
+        h0 = _r(rng, dt, (1, N, H))
+        head = [_r(rng, dt, (T, N, H)), _cont(dt), _r(rng, dt, (H, H), -0.6, 0.6), h0]
+        # the kept state: h_T written over h_0, after h_0 has been read
+        return head + [_z(dt, (T, N, H)), _z(dt, (1, N, H)),
+                       h0 if state_in_place else _z(dt, (1, N, H))]
+    return Case(f"rnn_fwd-inplace{state_in_place}", rec.rnn_forward, make, n_out=3)
+
+
+def _lstm_fwd(state_in_place: bool):
+    def make(rng, dt):
+        h0, c0 = _r(rng, dt, (1, N, H)), _r(rng, dt, (1, N, H))
+        head = [_r(rng, dt, (T, N, 4 * H)), _cont(dt), _r(rng, dt, (4 * H, H), -0.6, 0.6),
+                h0, c0]
+        outs = [_z(dt, (T, N, H)), _z(dt, (T, N, H)), _z(dt, (T, N, 4 * H)),
+                _z(dt, (1, N, H)), _z(dt, (1, N, H))]
+        last = [h0, c0] if state_in_place else [_z(dt, (1, N, H)), _z(dt, (1, N, H))]
+        return head + outs + last
+    return Case(f"lstm_fwd-inplace{state_in_place}", rec.lstm_forward, make, n_out=7)
+
+
+def _lstm_bwd(rng, dt):
+    """Activated gates as a forward leaves them: i, f, o in (0, 1), g in (-1, 1)."""
+    gates = np.concatenate([_r(rng, dt, (T, N, 3 * H), 0.05, 0.95),
+                            _r(rng, dt, (T, N, H), -0.95, 0.95)], axis=2)
+    return [_cont(dt), _r(rng, dt, (4 * H, H), -0.6, 0.6), _r(rng, dt, (1, N, H)),
+            _r(rng, dt, (1, N, H)), _r(rng, dt, (T, N, H), -0.9, 0.9), _r(rng, dt, (T, N, H)),
+            gates, _r(rng, dt, (T, N, H)), _z(dt, (T, N, 4 * H)), _z(dt, (4 * H, H))]
+
+
+def _unit_in(rng, dt):
+    """c_prev, gate inputs, cont (a reset, a fraction, a continuation), c."""
+    return [_r(rng, dt, (1, N, H)), _r(rng, dt, (1, N, 4 * H)),
+            np.array([[0.0, 0.5, 1.0]], dt), _r(rng, dt, (1, N, H))]
+
+
+def _unit_bwd(dc_prev: bool, dx: bool):
+    def make(rng, dt):
+        return (_unit_in(rng, dt) + [_r(rng, dt, (1, N, H)), _r(rng, dt, (1, N, H))]
+                + ([_z(dt, (1, N, H))] if dc_prev else []) + ([_z(dt, (1, N, 4 * H))]
+                                                              if dx else []))
+    return Case(f"lstm_unit_bwd-{dc_prev}-{dx}", rec.lstm_unit_backward, make,
+                n_out=dc_prev + dx, kw=lambda: dict(want_dc_prev=dc_prev, want_dx=dx))
 
 
 CASES = [
@@ -481,6 +608,26 @@ CASES = [
            kw=lambda t=t: dict(m=4, transpose=t)) for t in (False, True)],
     Case("ip_bwd_bias", ip.inner_product_backward_bias,
          lambda rng, dt: [_r(rng, dt, (4, 7)), _z(dt, (7,))], kw=lambda: dict(m=4)),
+    # pooling: STOCHASTIC, Im2col
+    *[_stochastic(k, g) for k in ("fwd_train", "bwd_train", "fwd_test", "bwd_test")
+      for g in STOCHASTIC_GEOMS],
+    *[_im2col(f, g) for f in (True, False) for g in IM2COL_GEOMS],
+    # recurrent
+    Case("add_static_inplace", rec.add_static,
+         lambda rng, dt: (lambda pre: [pre, _r(rng, dt, (N, H)), pre])(_r(rng, dt, (T, N, H)))),
+    Case("sum_over_time", rec.sum_over_time,
+         lambda rng, dt: [_r(rng, dt, (T, N, H)), _z(dt, (N, H))]),
+    _rnn_fwd(False), _rnn_fwd(True),
+    Case("rnn_bwd", rec.rnn_backward,
+         lambda rng, dt: [_r(rng, dt, (T, N, H), -0.9, 0.9), _r(rng, dt, (1, N, H)), _cont(dt),
+                          _r(rng, dt, (H, H), -0.6, 0.6), _r(rng, dt, (T, N, H)),
+                          _z(dt, (T, N, H)), _z(dt, (H, H))], n_out=2, rtol32=1e-4),
+    _lstm_fwd(False), _lstm_fwd(True),
+    Case("lstm_bwd", rec.lstm_backward, _lstm_bwd, n_out=2, rtol32=1e-4),
+    Case("lstm_unit_fwd", rec.lstm_unit_forward,
+         lambda rng, dt: _unit_in(rng, dt)[:3] + [_z(dt, (1, N, H)), _z(dt, (1, N, H))],
+         n_out=2),
+    _unit_bwd(True, True), _unit_bwd(True, False), _unit_bwd(False, True),
 ]
 
 
@@ -647,6 +794,34 @@ def test_batch_reindex_device_branch_sums_repeats_and_turns_bad_indices_into_nan
     arr.batch_reindex_forward(x, bad, y)  # no error on a GPU: NaN rows instead
     np.testing.assert_array_equal(np.isnan(y).all(axis=(1, 2)), [False, True, True, True, False])
     np.testing.assert_array_equal(y[[0, 4]], x[[1, 5]])
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("geom", sorted(STOCHASTIC_GEOMS))
+def test_stochastic_backward_device_branch_routes_as_the_host(monkeypatch, geom, dtype):
+    """On a GPU the routing is MAX's gather kernel reading the recorded picks (-1: none);
+    here that kernel's CUDA C runs emulated and must give the host's scatter-add exactly
+    (both add a pixel's windows in window order)."""
+    g = STOCHASTIC_GEOMS[geom]
+    dy, index, _ = _stochastic("bwd_train", geom).make(np.random.default_rng(3), dtype)
+    want = np.full((g.num, g.channels, g.height, g.width), 7.0, dtype)
+    pl.stochastic_pool_backward(dy, index, want, geom=g)
+    launched = []
+
+    def kernel(family, name, dt):
+        launched.append(name)
+        return cuda_emulate.kernel(family, name, dt)
+
+    monkeypatch.setattr(pl, "get_array_module", lambda *a: DeviceLike())
+    monkeypatch.setattr(cuda, "kernel", kernel)
+    got = np.full_like(want, np.nan)
+    pl.stochastic_pool_backward(dy, index, got, geom=g)
+    assert launched == ["max_pool_backward"]
+    np.testing.assert_array_equal(got, want)
+    # what the comparison covers: pixels picked by two windows, or windows without a pick
+    picks = np.bincount((index + np.arange(g.num * g.channels).reshape(g.num, g.channels, 1, 1)
+                         * g.height * g.width)[index >= 0])
+    assert (picks.max() > 1) if geom == "overlap" else (index == -1).any()
 
 
 # -- on a GPU ----------------------------------------------------------------------------------

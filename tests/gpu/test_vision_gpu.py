@@ -1,6 +1,6 @@
-"""Convolution, pooling and LRN on a real GPU (cupy arrays, our CUDA kernels, cuBLAS)
-against the same ops on numpy: float32 within the tolerances stated per op, float64 to
-1e-10. Every test needs a CUDA GPU and skips with the reason otherwise."""
+"""Convolution, pooling (SPP's pyramid levels included) and LRN on a real GPU (cupy arrays,
+our CUDA kernels, cuBLAS) against the same ops on numpy: float32 within the tolerances stated
+per op, float64 to 1e-10. Every test needs a CUDA GPU and skips with the reason otherwise."""
 
 from __future__ import annotations
 
@@ -12,6 +12,22 @@ from tests.gpu.common import requires_gpu
 from tests.gpu.test_cuda_sources import CONV_CASES, LRN_CASES, POOL_CASES, pool_geometry
 
 pytestmark = requires_gpu
+
+
+def spp_level(n: int, c: int, h: int, w: int, level: int) -> tuple:
+    """The pooling case of SPP pyramid level ``level``: 2^level bins a side, the kernel (and
+    stride) the bin size rounded up, the padding half the bins' overhang."""
+    bins = 2 ** level
+    kernel = (-(-h // bins), -(-w // bins))
+    pad = ((kernel[0] * bins - h + 1) // 2, (kernel[1] * bins - w + 1) // 2)
+    g = pool_geometry(n, c, h, w, kernel, kernel, pad)
+    assert (g.pooled_h, g.pooled_w) == (bins, bins)
+    return (n, c, h, w, kernel, kernel, pad)
+
+
+# padded levels whose last bin overhangs the image, rectangular, and the global level 0
+SPP_CASES = [spp_level(2, 3, 7, 7, 1), spp_level(2, 3, 7, 7, 2), spp_level(1, 4, 6, 7, 2),
+             spp_level(1, 2, 15, 14, 3), spp_level(2, 3, 6, 5, 0)]
 
 # float32 tolerances, relative to the scale of the result (its largest magnitude): cuBLAS
 # and our kernels sum in other orders than numpy/OpenBLAS.
@@ -103,7 +119,7 @@ def test_conv_runs_on_the_current_stream(cp):
 
 @pytest.mark.parametrize("mask_type", ["int32", "data"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("case", POOL_CASES)
+@pytest.mark.parametrize("case", POOL_CASES + SPP_CASES)
 def test_max_pool_matches_cpu(cp, case, dtype, mask_type):
     g = pool_geometry(*case)
     rng = np.random.default_rng(13)
@@ -125,7 +141,7 @@ def test_max_pool_matches_cpu(cp, case, dtype, mask_type):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("case", POOL_CASES)
+@pytest.mark.parametrize("case", POOL_CASES + SPP_CASES)
 def test_ave_pool_matches_cpu(cp, case, dtype):
     g = pool_geometry(*case)
     rng = np.random.default_rng(14)
