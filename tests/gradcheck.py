@@ -11,6 +11,19 @@ import numpy as np
 from purine.caffe import TRAIN, Net
 
 
+def layer_spec(name: str, type_: str, bottoms: Sequence[str], tops: Sequence[str],
+               params: str = "") -> str:
+    """The body of a layer { } with these bottoms, tops and parameter text."""
+    b = " ".join(f'bottom: "{x}"' for x in bottoms)
+    t = " ".join(f'top: "{x}"' for x in tops)
+    return f'name: "{name}" type: "{type_}" {b} {t} {params}'
+
+
+def gaussian(*shape: int, seed: int = 0) -> np.ndarray:
+    """Standard normal float64 values of ``shape``, the same for the same seed."""
+    return np.random.default_rng(seed).standard_normal(shape)
+
+
 def layer_net(layer: str, bottoms: dict[str, Sequence[int]], force_backward: bool = True) -> str:
     """A prototxt with one Input layer per bottom followed by ``layer``."""
     inputs = "\n".join(
@@ -19,6 +32,24 @@ def layer_net(layer: str, bottoms: dict[str, Sequence[int]], force_backward: boo
         for n, s in bottoms.items())
     fb = "force_backward: true\n" if force_backward else ""
     return f"{fb}{inputs}\nlayer {{ {layer} }}\n"
+
+
+def forward_layer(layer: str, phase: int = TRAIN, **bottoms: np.ndarray) -> Net:
+    """The float64 net of ``layer`` over Input bottoms, run forward on ``bottoms``."""
+    net = Net(layer_net(layer, {n: np.shape(v) for n, v in bottoms.items()}), phase=phase,
+              dtype="float64")
+    net.forward(**{n: np.asarray(v, dtype=np.float64) for n, v in bottoms.items()})
+    return net
+
+
+def random_labels(rng: np.random.Generator, shape: Sequence[int], classes: int,
+                  ignore: int | None = None, frac: float = 0.3) -> np.ndarray:
+    """Class labels in [0, classes) as floats; with ``ignore``, about ``frac`` of them set
+    to that value."""
+    lab = rng.integers(0, classes, size=shape).astype(np.float64)
+    if ignore is not None:
+        lab[rng.random(shape) < frac] = ignore
+    return lab
 
 
 def objective(net: Net, weights: dict[str, np.ndarray]) -> float:

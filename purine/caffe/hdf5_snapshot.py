@@ -99,6 +99,19 @@ def _load_array(path: str, ds) -> np.ndarray:
     return np.asarray(ds[()], dtype=np.float32)
 
 
+def _open_caffe_file(h5py: ModuleType, path: str, group: str, kind: str):
+    """``path`` opened for reading, once it is seen to hold the top-level ``group`` that
+    every Caffe ``kind`` file has."""
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise ProtoError(f"{path}: cannot read as HDF5: {e}") from None
+    if group not in f or not isinstance(f[group], h5py.Group):
+        f.close()
+        raise ProtoError(f"{path}: no group '{group}'; is it a Caffe {kind}?")
+    return f
+
+
 # -- .caffemodel.h5 ------------------------------------------------------------------------
 def write_weights(path: str | os.PathLike,
                   layers: Sequence[tuple[str, Sequence[np.ndarray | None]]]) -> None:
@@ -119,13 +132,7 @@ def read_weights(path: str | os.PathLike) -> dict[str, dict[str, np.ndarray]]:
     """``data/<layer>/<dataset>`` arrays by layer name and dataset name."""
     path = os.fspath(path)
     h5py = h5py_module(f"reading {path}")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as e:
-        raise ProtoError(f"{path}: cannot read as HDF5: {e}") from None
-    with f:
-        if "data" not in f or not isinstance(f["data"], h5py.Group):
-            raise ProtoError(f"{path}: no group 'data'; is it a Caffe .caffemodel.h5?")
+    with _open_caffe_file(h5py, path, "data", ".caffemodel.h5") as f:
         out: dict[str, dict[str, np.ndarray]] = {}
         for name, group in f["data"].items():
             if not isinstance(group, h5py.Group):
@@ -162,13 +169,7 @@ def write_state(path: str | os.PathLike, state: SolverStateH5) -> None:
 def read_state(path: str | os.PathLike) -> SolverStateH5:
     path = os.fspath(path)
     h5py = h5py_module(f"reading {path}")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as e:
-        raise ProtoError(f"{path}: cannot read as HDF5: {e}") from None
-    with f:
-        if "history" not in f or not isinstance(f["history"], h5py.Group):
-            raise ProtoError(f"{path}: no group 'history'; is it a Caffe .solverstate.h5?")
+    with _open_caffe_file(h5py, path, "history", ".solverstate.h5") as f:
         group = f["history"]
         names = sorted(group, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k))
         if names != [str(i) for i in range(len(names))]:

@@ -643,11 +643,33 @@ class Solver:
             objects.update({f"test{i}/{k}": s for k, s in net.builder.stateful.items()})
         return objects
 
-    def _restore_private(self, state: dict) -> None:
-        objects = self._stateful()
-        for k, v in state.get("stateful", {}).items():
-            if k in objects:
-                objects[k].restore(v)
+    def _restore_private(self, payload: str | bytes, where: str) -> None:
+        """This project's own state (cursors, random streams) from its JSON text; ``where``
+        names the field or dataset in an error."""
+        try:
+            state = json.loads(payload)
+            objects = self._stateful()
+            for k, v in state.get("stateful", {}).items():
+                if k in objects:
+                    objects[k].restore(v)
+        except (ValueError, AttributeError) as e:
+            raise PurineError(f"{where}: {e}") from None
+
+    def _restore_history(self, where: str, it: int, learned_net: str, history: Sequence,
+                         noun: str, fit: Callable[[int, Any, Blob], np.ndarray]) -> None:
+        """What either snapshot format restores after the private state: the learned net,
+        the solver's history (``fit(k, value, blob)`` checks the k-th stored value against
+        its blob and gives the array to assign) and the iteration."""
+        if learned_net:
+            self.net.copy_from(learned_net)
+        hist = self._history()
+        if len(history) != len(hist):
+            raise PurineError(f"{where}: {len(history)} history {noun}, the "
+                              f"'{self.param.type}' solver of this net needs {len(hist)}")
+        d = self.net.dispatcher
+        for k, (value, h) in enumerate(zip(history, hist, strict=True)):
+            assign(d.array(h), fit(k, value, h))
+        self.iter = it
 
     def _current_step(self) -> int:
         p = self.param
@@ -664,28 +686,21 @@ class Solver:
         if os.fspath(path).endswith(".h5"):
             self._restore_hdf5(path)
             return
+        path = os.fspath(path)
         state = read_message(path, pb.SolverState())
         with open(path, "rb") as f:
             for payload in length_fields(f.read(), PRIVATE_STATE_FIELD):
-                try:
-                    self._restore_private(json.loads(payload))
-                except (ValueError, AttributeError) as e:
-                    raise PurineError(f"{os.fspath(path)}: unreadable purine state field "
-                                      f"{PRIVATE_STATE_FIELD}: {e}") from None
-        if state.learned_net:
-            self.net.copy_from(state.learned_net)
-        hist = self._history()
-        if len(state.history) != len(hist):
-            raise PurineError(f"{os.fspath(path)}: {len(state.history)} history blobs, the "
-                              f"'{self.param.type}' solver of this net needs {len(hist)}")
-        d = self.net.dispatcher
-        for k, (blob, h) in enumerate(zip(state.history, hist, strict=True)):
-            a = blob_to_array(blob)
+                self._restore_private(
+                    payload, f"{path}: unreadable purine state field {PRIVATE_STATE_FIELD}")
+
+        def fit(k: int, blob: pb.BlobProto, h: Blob) -> np.ndarray:
+            a = blob_to_array(blob)  # Caffe's blob may be in the legacy 4-d shape
             if a.size != h.count:
-                raise PurineError(f"{os.fspath(path)}: history blob {k} has {a.size} values, "
+                raise PurineError(f"{path}: history blob {k} has {a.size} values, "
                                   f"parameter '{h.name}' needs {h.count}")
-            assign(d.array(h), a.reshape(h.shape))
-        self.iter = state.iter
+            return a.reshape(h.shape)
+
+        self._restore_history(path, state.iter, state.learned_net, state.history, "blobs", fit)
 
     def _restore_hdf5(self, path: str | os.PathLike) -> None:
         from purine.caffe.hdf5_snapshot import read_state
@@ -693,23 +708,16 @@ class Solver:
         path = os.fspath(path)
         state = read_state(path)
         if state.private is not None:
-            try:
-                self._restore_private(json.loads(state.private))
-            except (ValueError, AttributeError) as e:
-                raise PurineError(f"{path}: unreadable purine state dataset: {e}") from None
-        if state.learned_net:
-            self.net.copy_from(state.learned_net)
-        hist = self._history()
-        if len(state.history) != len(hist):
-            raise PurineError(f"{path}: {len(state.history)} history datasets, the "
-                              f"'{self.param.type}' solver of this net needs {len(hist)}")
-        d = self.net.dispatcher
-        for k, (a, h) in enumerate(zip(state.history, hist, strict=True)):
+            self._restore_private(state.private, f"{path}: unreadable purine state dataset")
+
+        def fit(k: int, a: np.ndarray, h: Blob) -> np.ndarray:
             if a.shape != h.shape:
                 raise PurineError(f"{path}: history/{k} has shape {a.shape}, parameter "
                                   f"'{h.name}' needs {h.shape}")
-            assign(d.array(h), a)
-        self.iter = state.iter
+            return a
+
+        self._restore_history(path, state.iter, state.learned_net, state.history, "datasets",
+                              fit)
 
 
 def _check_finite(loss: float, it: int) -> None:

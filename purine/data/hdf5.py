@@ -13,7 +13,7 @@ import numpy as np
 
 from purine.backend import to_host
 from purine.data import DataError
-from purine.data.prefetch import Batch, BufferPool
+from purine.data.prefetch import Batch, BufferPool, stream_batch
 
 _SHUFFLE = 0x5E1F
 
@@ -138,8 +138,7 @@ class HDF5Batches:
         pool = pool or BufferPool(0)
 
         def read(k: int) -> Batch:
-            rank, count = self.replica
-            first = (k * count + rank) * self.batch_size
+            first = stream_batch(k, self.replica) * self.batch_size
             files, rows = self.source.locate(first + np.arange(self.batch_size))
             outs = [pool.array((self.batch_size,) + s, self.source.dtype)
                     for s in self.source.row_shapes]

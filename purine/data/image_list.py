@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
 
 import cv2
 import numpy as np
 
 from purine.data import DataError
 from purine.data.datum import Image, check_depth
-from purine.data.prefetch import Batch, BufferPool
+from purine.data.prefetch import Batch, BufferPool, PooledBatches, stream_batch
 from purine.data.transformer import Shape, Transformer
 
 _LINE = re.compile(r"(.*)\s(\S+)")  # path, then the label after the last whitespace
@@ -101,7 +100,7 @@ class ImageList:
         return check_depth(img, self.where(entry))
 
 
-class ImageBatches:
+class ImageBatches(PooledBatches):
     """Batch k of replica r of R holds stream positions [skip + (k*R + r)*batch_size, ...)."""
 
     def __init__(self, images: ImageList, batch_size: int, transformer: Transformer,
@@ -111,13 +110,8 @@ class ImageBatches:
         self.shape, self.dtype = shape, np.dtype(dtype)
         self.seed, self.index, self.replica, self.skip = seed, index, replica, skip
 
-    def reader(self, pool: BufferPool | None = None) -> Callable[[int], Batch]:
-        pool = pool or BufferPool(0)
-        return lambda k: self.read(k, pool)
-
     def read(self, k: int, pool: BufferPool) -> Batch:
-        rank, count = self.replica
-        g = k * count + rank
+        g = stream_batch(k, self.replica)
         first = self.skip + g * self.batch_size
         entries = [self.images.line(first + i) for i in range(self.batch_size)]
         images = [self.images.image(e) for e in entries]

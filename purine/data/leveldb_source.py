@@ -10,6 +10,7 @@ import weakref
 from types import ModuleType
 
 from purine.data import DataError
+from purine.data.lmdb_source import DatumSource
 
 INSTALL_HINT = "pip install purine-caffe[leveldb] (or pip install plyvel)"
 
@@ -56,46 +57,34 @@ def _open(path: str) -> _Handle:
         return handle
 
 
-class LevelDBSource:
+class LevelDBSource(DatumSource):
     """A LevelDB opened for reading; every thread reads through its own ``reader()``.
 
     LevelDB keeps no record count, and counting means reading the whole database, so
     ``count`` is None until a reader has walked past the last record once."""
 
     kind = "LevelDB"
+    one_opener = "LevelDB locks a database to one opener"
+    opened_as = "database"
 
     def __init__(self, path: str | os.PathLike):
         plyvel = plyvel_module()
-        self.path = path = os.fspath(path)
-        if not os.path.exists(path):
-            raise DataError(f"LevelDB '{path}' does not exist")
+        super().__init__(path)
         try:
-            self.handle = _open(path)
-        except plyvel.IOError as e:
-            if "already held by process" in message(e):
-                raise DataError(f"LevelDB '{path}' is open elsewhere in this process (LevelDB "
-                                "locks a database to one opener): close that database before "
-                                "a data layer reads it") from None
-            raise DataError(f"LevelDB '{path}' cannot be opened: {message(e)}") from None
+            self.handle = _open(self.path)
         except plyvel.Error as e:
-            raise DataError(f"LevelDB '{path}' cannot be opened: {message(e)}") from None
+            held = isinstance(e, plyvel.IOError) and "already held by process" in message(e)
+            raise self.cannot_open(message(e), held) from None
         self.count: int | None = None
         it = self.handle.db.iterator(include_value=False)
         try:
             if next(it, None) is None:
-                raise DataError(f"LevelDB '{path}' has no records")
+                raise DataError(f"LevelDB '{self.path}' has no records")
         finally:
             it.close()
 
     def reader(self) -> LevelDBReader:
         return LevelDBReader(self)
-
-    def first(self) -> tuple[bytes, bytes]:
-        r = self.reader()
-        try:
-            return r.records(0, 1)[0]
-        finally:
-            r.close()
 
 
 class LevelDBReader:

@@ -16,11 +16,11 @@ import numpy as np
 
 from purine.data import DataError
 from purine.data.datum import datum_image, decode_flag, parse_datum, show_key
-from purine.data.prefetch import Batch, BufferPool
+from purine.data.prefetch import Batch, BufferPool, stream_batch
 from purine.data.transformer import Shape, Transformer
 
 if TYPE_CHECKING:
-    from purine.data.leveldb_source import LevelDBReader, LevelDBSource
+    from purine.data.leveldb_source import LevelDBReader
 
 # py-lmdb refuses to open one database file twice in a process, and a train net and a test
 # net (or two nets in a test) may read the same database: they share one environment while
@@ -47,29 +47,30 @@ def _open(path: str) -> lmdb.Environment:
         return env
 
 
-class LMDBSource:
-    """A read-only LMDB; every thread reads through its own ``reader()``."""
+class DatumSource:
+    """A database of Datum records that DatumBatches reads, an LMDB or a LevelDB: ``kind``
+    and ``path`` name it in messages, ``reader()`` gives each thread a cursor of its own."""
 
-    kind = "LMDB"
+    kind = ""
+    one_opener = ""  # why a second opener in this process is refused
+    opened_as = ""  # what the user holds open and must close then
 
     def __init__(self, path: str | os.PathLike):
-        self.path = path = os.fspath(path)
-        if not os.path.exists(path):
-            raise DataError(f"LMDB '{path}' does not exist")
-        try:
-            self.env = _open(path)
-        except lmdb.Error as e:
-            if "already open" in str(e):
-                raise DataError(f"LMDB '{path}' is open elsewhere in this process (py-lmdb "
-                                "opens a database once per process): close that environment "
-                                "before a data layer reads it") from None
-            raise DataError(f"LMDB '{path}' cannot be opened: {e}") from None
-        self.count = int(self.env.stat()["entries"])
-        if self.count == 0:
-            raise DataError(f"LMDB '{path}' has no records")
+        self.path = os.fspath(path)
+        if not os.path.exists(self.path):
+            raise DataError(f"{self.kind} '{self.path}' does not exist")
 
-    def reader(self) -> LMDBReader:
-        return LMDBReader(self)
+    def cannot_open(self, detail: str, elsewhere: bool) -> DataError:
+        """The error for a database that would not open; ``elsewhere``: because this process
+        holds it open already."""
+        if elsewhere:
+            return DataError(f"{self.kind} '{self.path}' is open elsewhere in this process "
+                             f"({self.one_opener}): close that {self.opened_as} before a "
+                             "data layer reads it")
+        return DataError(f"{self.kind} '{self.path}' cannot be opened: {detail}")
+
+    def reader(self) -> LMDBReader | LevelDBReader:
+        raise NotImplementedError
 
     def first(self) -> tuple[bytes, bytes]:
         r = self.reader()
@@ -77,6 +78,27 @@ class LMDBSource:
             return r.records(0, 1)[0]
         finally:
             r.close()
+
+
+class LMDBSource(DatumSource):
+    """A read-only LMDB; every thread reads through its own ``reader()``."""
+
+    kind = "LMDB"
+    one_opener = "py-lmdb opens a database once per process"
+    opened_as = "environment"
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__(path)
+        try:
+            self.env = _open(self.path)
+        except lmdb.Error as e:
+            raise self.cannot_open(str(e), "already open" in str(e)) from None
+        self.count = int(self.env.stat()["entries"])
+        if self.count == 0:
+            raise DataError(f"LMDB '{self.path}' has no records")
+
+    def reader(self) -> LMDBReader:
+        return LMDBReader(self)
 
 
 class LMDBReader:
@@ -121,7 +143,7 @@ class DatumBatches:
     """The batches of one Data layer over an LMDB or a LevelDB source: ``reader()`` gives a
     thread its ``read(k)``."""
 
-    def __init__(self, source: LMDBSource | LevelDBSource, batch_size: int,
+    def __init__(self, source: DatumSource, batch_size: int,
                  transformer: Transformer, shape: Shape, *, labels: bool, dtype: str,
                  seed: int, index: int, replica: tuple[int, int] = (0, 1), skip: int = 0):
         self.source, self.batch_size, self.transformer = source, batch_size, transformer
@@ -137,8 +159,7 @@ class DatumBatches:
         return lambda k: self.read(r, k, pool)
 
     def read(self, r: LMDBReader | LevelDBReader, k: int, pool: BufferPool) -> Batch:
-        rank, count = self.replica
-        g = k * count + rank  # the batch's number in database order
+        g = stream_batch(k, self.replica)  # the batch's number in database order
         recs = r.records(self.skip + g * self.batch_size, self.batch_size)
         images, labels = [], np.empty(self.batch_size, self.dtype)
         for i, (key, value) in enumerate(recs):

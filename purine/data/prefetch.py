@@ -49,6 +49,25 @@ class BufferPool:
                     if len(free) < self.limit:
                         free.append(a)
 
+
+def stream_batch(k: int, replica: tuple[int, int]) -> int:
+    """The number in the whole stream of replica r of R's batch ``k``: k*R + r, so that the
+    replicas read disjoint batches which together are those of a single run."""
+    rank, count = replica
+    return k * count + rank
+
+
+class PooledBatches:
+    """Batches that ``read(k, pool)`` makes from ``k`` alone, keeping nothing per thread: a
+    thread's reader is that method over its pool."""
+
+    def reader(self, pool: BufferPool | None = None) -> Reader:
+        pool = pool or BufferPool(0)
+        return lambda k: self.read(k, pool)
+
+    def read(self, k: int, pool: BufferPool) -> Batch:
+        raise NotImplementedError
+
 _POLL_S = 0.1  # how often a blocked thread checks whether it should stop
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 

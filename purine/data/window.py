@@ -5,14 +5,13 @@ random, padded with context, clipped to the image and warped to a square as Caff
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import cv2
 import numpy as np
 
 from purine.data import DataError
-from purine.data.prefetch import Batch, BufferPool
+from purine.data.prefetch import Batch, BufferPool, PooledBatches, stream_batch
 
 _SAMPLE = 0x3D1A  # the window draws' stream, apart from the other layers' streams
 _FIELDS = ("channels", "height", "width", "num_windows")
@@ -185,7 +184,7 @@ def warp_geometry(boxes: np.ndarray, rows: np.ndarray, cols: np.ndarray, mirror:
             np.stack([pad_h, pad_w], 1))
 
 
-class WindowBatches:
+class WindowBatches(PooledBatches):
     """Batch k of replica r of R is drawn from the stream (seed, layer index, k*R + r):
     ``batch_size - int(batch_size * fg_fraction)`` background windows, then the foreground
     ones, each picked uniformly with replacement, and a coin per window when mirroring.
@@ -275,13 +274,8 @@ class WindowBatches:
                             "the image (missing, unreadable or not an image)")
         return img
 
-    def reader(self, pool: BufferPool | None = None) -> Callable[[int], Batch]:
-        pool = pool or BufferPool(0)
-        return lambda k: self.read(k, pool)
-
     def read(self, k: int, pool: BufferPool) -> Batch:
-        rank, count = self.replica
-        g = k * count + rank
+        g = stream_batch(k, self.replica)
         b, crop = self.batch_size, self.crop
         rng = np.random.default_rng([self.seed, self.index, _SAMPLE, g])
         picked = np.concatenate([self.bg[rng.integers(0, len(self.bg), b - self.num_fg)],

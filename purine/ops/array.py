@@ -260,16 +260,9 @@ def embed_forward(x: Array, w: Array, *rest: Array, input_dim: int) -> None:
 
 def embed_backward_weight(x: Array, dy: Array, dw: Array, *, input_dim: int) -> None:
     """Each weight row collects the gradients of every position that looked it up."""
-    xp = get_array_module(dw)
     idx, _ = _indices(x, input_dim, check=False)
     dw[...] = 0
-    dy2 = dy.reshape(-1, dw.shape[1])
-    if xp.__name__ == "numpy":
-        xp.add.at(dw, idx, dy2)
-    else:  # pragma: no cover - needs a GPU
-        import cupyx
-
-        cupyx.scatter_add(dw, idx, dy2)
+    _scatter_add(dw, idx, dy.reshape(-1, dw.shape[1]))
 
 
 def embed_backward_bias(dy: Array, db: Array) -> None:

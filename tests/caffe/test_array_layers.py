@@ -9,17 +9,7 @@ import pytest
 
 from purine.caffe import TEST, TRAIN, Net
 from purine.errors import LayerError, PurineError
-from tests.gradcheck import check_gradients, layer_net
-
-
-def _rand(*shape: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(shape)
-
-
-def _layer(name: str, type_: str, bottoms, tops, params: str = "") -> str:
-    b = " ".join(f'bottom: "{x}"' for x in bottoms)
-    t = " ".join(f'top: "{x}"' for x in tops)
-    return f'name: "{name}" type: "{type_}" {b} {t} {params}'
+from tests.gradcheck import check_gradients, gaussian, layer_net, layer_spec
 
 
 def _forward(layer: str, phase=TEST, force_backward: bool = False, **inputs: np.ndarray) -> Net:
@@ -43,9 +33,9 @@ def _build(layer: str, **shapes) -> Net:
 ])
 def test_concat_gradient(axis, shapes):
     names = "abc"[: len(shapes)]
-    bottoms = {n: _rand(*s, seed=i) for i, (n, s) in enumerate(zip(names, shapes, strict=True))}
-    net = check_gradients(_layer("cat", "Concat", names, ["y"], f"concat_param {{ axis: {axis} }}"),
-                          bottoms)
+    bottoms = {n: gaussian(*s, seed=i) for i, (n, s) in enumerate(zip(names, shapes, strict=True))}
+    net = check_gradients(
+        layer_spec("cat", "Concat", names, ["y"], f"concat_param {{ axis: {axis} }}"), bottoms)
     net.forward(**bottoms)  # the check leaves the last perturbed forward in the tops
     np.testing.assert_array_equal(net.blobs["y"].data,
                                   np.concatenate(list(bottoms.values()), axis=axis))
@@ -54,10 +44,10 @@ def test_concat_gradient(axis, shapes):
 def test_concat_default_axis_and_legacy_concat_dim():
     a = np.array([[1.0, 2.0], [3.0, 4.0]])
     b = np.array([[5.0], [6.0]])
-    net = _forward(_layer("cat", "Concat", "ab", ["y"]), a=a, b=b)
+    net = _forward(layer_spec("cat", "Concat", "ab", ["y"]), a=a, b=b)
     np.testing.assert_array_equal(net.blobs["y"].data, [[1, 2, 5], [3, 4, 6]])
     c = np.array([[7.0, 8.0]])
-    net = _forward(_layer("cat", "Concat", "ac", ["y"], "concat_param { concat_dim: 0 }"),
+    net = _forward(layer_spec("cat", "Concat", "ac", ["y"], "concat_param { concat_dim: 0 }"),
                    a=a, c=c)
     np.testing.assert_array_equal(net.blobs["y"].data, [[1, 2], [3, 4], [7, 8]])
 
@@ -65,8 +55,8 @@ def test_concat_default_axis_and_legacy_concat_dim():
 @pytest.mark.parametrize("type_, params", [("Concat", ""), ("Slice", "slice_param { axis: 0 }")])
 @pytest.mark.parametrize("top", ["y", "x"])
 def test_single_blob_concat_and_slice_share_the_bottom(type_, params, top):
-    x = _rand(2, 3)
-    net = check_gradients(_layer("one", type_, ["x"], [top], params), {"x": x}, tops=[top])
+    x = gaussian(2, 3)
+    net = check_gradients(layer_spec("one", type_, ["x"], [top], params), {"x": x}, tops=[top])
     net.forward(x=x)
     np.testing.assert_array_equal(net.blobs[top].data, x)
     assert not net.builder.layers[-1].forward_ops  # the top is the bottom's blob
@@ -75,15 +65,15 @@ def test_single_blob_concat_and_slice_share_the_bottom(type_, params, top):
 def test_concat_shape_mismatch_names_layer_bottoms_and_shapes():
     with pytest.raises(LayerError, match=r"layer 'cat' \(type Concat\): bottom 'a' \(2, 3, 4\) "
                                          r"and bottom 'b' \(2, 5, 5\) differ in axis 2"):
-        _build(_layer("cat", "Concat", "ab", ["y"]), a=(2, 3, 4), b=(2, 5, 5))
+        _build(layer_spec("cat", "Concat", "ab", ["y"]), a=(2, 3, 4), b=(2, 5, 5))
     with pytest.raises(LayerError, match=r"'cat'.*'a' \(2, 3\) and bottom 'b' \(2, 3, 1\) "
                                          r"have different numbers of axes"):
-        _build(_layer("cat", "Concat", "ab", ["y"]), a=(2, 3), b=(2, 3, 1))
+        _build(layer_spec("cat", "Concat", "ab", ["y"]), a=(2, 3), b=(2, 3, 1))
     with pytest.raises(LayerError, match="give either axis or concat_dim"):
-        _build(_layer("cat", "Concat", "ab", ["y"], "concat_param { axis: 1 concat_dim: 1 }"),
+        _build(layer_spec("cat", "Concat", "ab", ["y"], "concat_param { axis: 1 concat_dim: 1 }"),
                a=(2, 3), b=(2, 3))
     with pytest.raises(LayerError, match=r"concat_dim 2 is out of range.*\(2, 3\)"):
-        _build(_layer("cat", "Concat", "ab", ["y"], "concat_param { concat_dim: 2 }"),
+        _build(layer_spec("cat", "Concat", "ab", ["y"], "concat_param { concat_dim: 2 }"),
                a=(2, 3), b=(2, 3))
 
 
@@ -96,9 +86,9 @@ def test_concat_shape_mismatch_names_layer_bottoms_and_shapes():
     ((4, 3), "slice_param { slice_dim: 0 slice_point: 3 }", [3, 1], 0),
 ])
 def test_slice_gradient(shape, params, sizes, axis):
-    x = _rand(*shape)
+    x = gaussian(*shape)
     tops = [f"t{i}" for i in range(len(sizes))]
-    net = check_gradients(_layer("sl", "Slice", ["x"], tops, params), {"x": x})
+    net = check_gradients(layer_spec("sl", "Slice", ["x"], tops, params), {"x": x})
     net.forward(x=x)
     parts = np.split(x, np.cumsum(sizes)[:-1], axis=axis)
     for t, part in zip(tops, parts, strict=True):
@@ -107,7 +97,7 @@ def test_slice_gradient(shape, params, sizes, axis):
 
 def test_slice_forward_values():
     x = np.arange(12.0).reshape(2, 6)
-    net = _forward(_layer("sl", "Slice", ["x"], ["p", "q"], "slice_param { slice_point: 2 }"),
+    net = _forward(layer_spec("sl", "Slice", ["x"], ["p", "q"], "slice_param { slice_point: 2 }"),
                    x=x)
     np.testing.assert_array_equal(net.blobs["p"].data, [[0, 1], [6, 7]])
     np.testing.assert_array_equal(net.blobs["q"].data, [[2, 3, 4, 5], [8, 9, 10, 11]])
@@ -124,7 +114,7 @@ def test_slice_forward_values():
 def test_slice_bad_parameters(params, tops, pattern):
     names = [f"t{i}" for i in range(tops)]
     with pytest.raises(LayerError, match=r"layer 'sl' \(type Slice\): " + pattern):
-        _build(_layer("sl", "Slice", ["x"], names, params), x=(2, 6))
+        _build(layer_spec("sl", "Slice", ["x"], names, params), x=(2, 6))
 
 
 # -- Eltwise --------------------------------------------------------------------------------
@@ -147,13 +137,14 @@ def _distinct(n: int, shape, seed: int = 0) -> list[np.ndarray]:
 def test_eltwise_gradient(n, params):
     xs = _distinct(n, (2, 3, 2))
     names = "abc"[:n]
-    check_gradients(_layer("el", "Eltwise", names, ["y"], params),
+    check_gradients(layer_spec("el", "Eltwise", names, ["y"], params),
                     dict(zip(names, xs, strict=True)))
 
 
 def test_eltwise_forward_values():
     a, b, c = np.array([1.0, -2.0, 3.0]), np.array([4.0, 5.0, -6.0]), np.array([0.5, 7.0, 2.0])
-    y = lambda p: _forward(_layer("el", "Eltwise", "abc", ["y"], p), a=a, b=b, c=c)  # noqa: E731
+    y = lambda p: _forward(  # noqa: E731
+        layer_spec("el", "Eltwise", "abc", ["y"], p), a=a, b=b, c=c)
     np.testing.assert_allclose(y("").blobs["y"].data, [5.5, 10, -1])
     np.testing.assert_allclose(
         y("eltwise_param { coeff: 1 coeff: -1 coeff: 2 }").blobs["y"].data, [-2, 7, 13])
@@ -167,7 +158,7 @@ def test_eltwise_max_ties_follow_caffe():
     # Caffe's CPU loop: bottom 1 wins a tie with bottom 0; a later bottom must beat the
     # running maximum strictly.
     a, b, c = np.array([2.0, 1.0]), np.array([2.0, 3.0]), np.array([0.0, 3.0])
-    layer = _layer("el", "Eltwise", "abc", ["y"], "eltwise_param { operation: MAX }")
+    layer = layer_spec("el", "Eltwise", "abc", ["y"], "eltwise_param { operation: MAX }")
     net = Net(layer_net(layer, {"a": (2,), "b": (2,), "c": (2,)}), phase=TRAIN,
               dtype="float64")
     net.forward(a=a, b=b, c=c)
@@ -178,8 +169,9 @@ def test_eltwise_max_ties_follow_caffe():
 
 
 def test_eltwise_prod_gradient_with_a_zero_factor():
-    layer = lambda stable: _layer("el", "Eltwise", "ab", ["y"],  # noqa: E731
-                                  f"eltwise_param {{ operation: PROD stable_prod_grad: {stable} }}")
+    layer = lambda stable: layer_spec(  # noqa: E731
+        "el", "Eltwise", "ab", ["y"],
+        f"eltwise_param {{ operation: PROD stable_prod_grad: {stable} }}")
     diffs = {}
     for stable in ("true", "false"):
         net = Net(layer_net(layer(stable), {"a": (2,), "b": (2,)}), phase=TRAIN,
@@ -202,12 +194,12 @@ def test_eltwise_prod_gradient_with_a_zero_factor():
 ])
 def test_eltwise_errors(shapes, params, pattern):
     with pytest.raises(LayerError, match=r"layer 'el' \(type Eltwise\): " + pattern):
-        _build(_layer("el", "Eltwise", list(shapes), ["y"], params), **shapes)
+        _build(layer_spec("el", "Eltwise", list(shapes), ["y"], params), **shapes)
 
 
 def test_eltwise_refuses_in_place():
     with pytest.raises(LayerError, match="cannot run in place"):
-        _build(_layer("el", "Eltwise", "ab", ["a"]), a=(2,), b=(2,))
+        _build(layer_spec("el", "Eltwise", "ab", ["a"]), a=(2,), b=(2,))
 
 
 # -- Flatten / Reshape ----------------------------------------------------------------------
@@ -219,22 +211,22 @@ def test_eltwise_refuses_in_place():
     ("flatten_param { axis: -1 }", (2, 3, 4, 5)),
 ])
 def test_flatten_shapes(params, shape):
-    x = _rand(2, 3, 4, 5)
-    net = _forward(_layer("fl", "Flatten", ["x"], ["y"], params), x=x)
+    x = gaussian(2, 3, 4, 5)
+    net = _forward(layer_spec("fl", "Flatten", ["x"], ["y"], params), x=x)
     np.testing.assert_array_equal(net.blobs["y"].data, x.reshape(shape))
 
 
 @pytest.mark.parametrize("params", ["", "flatten_param { axis: 0 end_axis: 1 }"])
 def test_flatten_gradient(params):
-    check_gradients(_layer("fl", "Flatten", ["x"], ["y"], params), {"x": _rand(2, 3, 2)})
+    check_gradients(layer_spec("fl", "Flatten", ["x"], ["y"], params), {"x": gaussian(2, 3, 2)})
 
 
 def test_flatten_errors():
     with pytest.raises(LayerError, match=r"'fl'.*end_axis 1 comes before axis 2.*\(2, 3, 4\)"):
-        _build(_layer("fl", "Flatten", ["x"], ["y"], "flatten_param { axis: 2 end_axis: 1 }"),
+        _build(layer_spec("fl", "Flatten", ["x"], ["y"], "flatten_param { axis: 2 end_axis: 1 }"),
                x=(2, 3, 4))
     with pytest.raises(LayerError, match="cannot run in place"):
-        _build(_layer("fl", "Flatten", ["x"], ["x"]), x=(2, 3))
+        _build(layer_spec("fl", "Flatten", ["x"], ["x"]), x=(2, 3))
 
 
 @pytest.mark.parametrize("params, shape", [
@@ -250,15 +242,15 @@ def test_flatten_errors():
     ("axis: -3 num_axes: 2 shape { dim: 0 dim: 1 dim: -1 }", (2, 3, 4, 1, 5)),
 ])
 def test_reshape_shapes(params, shape):
-    x = _rand(2, 3, 4, 5)
-    net = _forward(_layer("rs", "Reshape", ["x"], ["y"], f"reshape_param {{ {params} }}"), x=x)
+    x = gaussian(2, 3, 4, 5)
+    net = _forward(layer_spec("rs", "Reshape", ["x"], ["y"], f"reshape_param {{ {params} }}"), x=x)
     np.testing.assert_array_equal(net.blobs["y"].data, x.reshape(shape))
 
 
 @pytest.mark.parametrize("params", ["shape { dim: 0 dim: -1 }", "axis: 1 shape { dim: 2 dim: 3 }"])
 def test_reshape_gradient(params):
-    check_gradients(_layer("rs", "Reshape", ["x"], ["y"], f"reshape_param {{ {params} }}"),
-                    {"x": _rand(2, 6)})
+    check_gradients(layer_spec("rs", "Reshape", ["x"], ["y"], f"reshape_param {{ {params} }}"),
+                    {"x": gaussian(2, 6)})
 
 
 @pytest.mark.parametrize("params, pattern", [
@@ -274,14 +266,14 @@ def test_reshape_gradient(params):
     ("shape { dim: -2 dim: 12 }", "negative dimension other than -1"),
 ])
 def test_reshape_bad_parameters(params, pattern):
-    layer = _layer("rs", "Reshape", ["x"], ["y"], f"reshape_param {{ {params} }}")
+    layer = layer_spec("rs", "Reshape", ["x"], ["y"], f"reshape_param {{ {params} }}")
     with pytest.raises(LayerError, match=r"layer 'rs' \(type Reshape\): .*" + pattern):
         _build(layer, x=(2, 3, 4))
 
 
 def test_reshape_refuses_in_place():
     with pytest.raises(LayerError, match="cannot run in place"):
-        _build(_layer("rs", "Reshape", ["x"], ["x"], "reshape_param { shape { dim: 0 } }"),
+        _build(layer_spec("rs", "Reshape", ["x"], ["x"], "reshape_param { shape { dim: 0 } }"),
                x=(2,))
 
 
@@ -295,16 +287,16 @@ def test_reshape_refuses_in_place():
     ("crop_param { axis: 0 offset: 1 }", (1, 1, 1, 1, 9), np.s_[1:2, 1:2, 1:2, 1:2]),
 ])
 def test_crop_gradient(params, ref, index):
-    x = _rand(2, 3, 4, 4)
-    r = _rand(*ref, seed=1)
-    net = check_gradients(_layer("cr", "Crop", ["x", "r"], ["y"], params), {"x": x, "r": r})
+    x = gaussian(2, 3, 4, 4)
+    r = gaussian(*ref, seed=1)
+    net = check_gradients(layer_spec("cr", "Crop", ["x", "r"], ["y"], params), {"x": x, "r": r})
     net.forward(x=x, r=r)
     np.testing.assert_array_equal(net.blobs["y"].data, x[index])
     np.testing.assert_array_equal(net.blobs["r"].diff, 0)
 
 
 def test_crop_backward_writes_zeros_around():
-    layer = _layer("cr", "Crop", ["x", "r"], ["y"], "crop_param { axis: 0 offset: 1 }")
+    layer = layer_spec("cr", "Crop", ["x", "r"], ["y"], "crop_param { axis: 0 offset: 1 }")
     net = Net(layer_net(layer, {"x": (4,), "r": (2,)}), phase=TRAIN, dtype="float64")
     net.forward(x=np.array([1.0, 2.0, 3.0, 4.0]), r=np.zeros(2))
     np.testing.assert_array_equal(net.blobs["y"].data, [2, 3])
@@ -316,11 +308,11 @@ def test_crop_backward_writes_zeros_around():
 def test_crop_errors():
     with pytest.raises(LayerError, match=r"'cr'.*crop of axis 3 to size 3 at offset 2 is out "
                                          r"of bounds for bottom 'x' \(2, 3, 4, 4\)"):
-        _build(_layer("cr", "Crop", ["x", "r"], ["y"], "crop_param { offset: 2 }"),
+        _build(layer_spec("cr", "Crop", ["x", "r"], ["y"], "crop_param { offset: 2 }"),
                x=(2, 3, 4, 4), r=(2, 3, 2, 3))
     with pytest.raises(LayerError, match=r"3 offsets for axes 2..3"):
-        _build(_layer("cr", "Crop", ["x", "r"], ["y"],
-                      "crop_param { offset: 0 offset: 0 offset: 0 }"),
+        _build(layer_spec("cr", "Crop", ["x", "r"], ["y"],
+                          "crop_param { offset: 0 offset: 0 offset: 0 }"),
                x=(2, 3, 4, 4), r=(2, 3, 2, 3))
 
 
@@ -333,11 +325,11 @@ def _caffe_top_k(values, k):
 
 def test_argmax_values_hand_computed():
     x = np.array([[0.1, 0.7, 0.2, 0.7], [0.5, -1.0, 0.9, 0.0]])
-    net = _forward(_layer("am", "ArgMax", ["x"], ["y"], "argmax_param { top_k: 2 }"), x=x)
+    net = _forward(layer_spec("am", "ArgMax", ["x"], ["y"], "argmax_param { top_k: 2 }"), x=x)
     assert net.blobs["y"].shape == (2, 1, 2)
     # The tie at 0.7 goes to the larger index, as Caffe's pair ordering puts it first.
     np.testing.assert_array_equal(net.blobs["y"].data, [[[3, 1]], [[2, 0]]])
-    net = _forward(_layer("am", "ArgMax", ["x"], ["y"], "argmax_param { out_max_val: true }"),
+    net = _forward(layer_spec("am", "ArgMax", ["x"], ["y"], "argmax_param { out_max_val: true }"),
                    x=x)
     assert net.blobs["y"].shape == (2, 2, 1)
     np.testing.assert_array_equal(net.blobs["y"].data, [[[3], [0.7]], [[2], [0.9]]])
@@ -349,11 +341,11 @@ def test_argmax_values_hand_computed():
 ])
 def test_argmax_against_reference(axis, k, out_val):
     # Rounded values make ties, which Caffe breaks towards the larger index.
-    x = np.round(_rand(2, 3, 4) * 2) / 2
+    x = np.round(gaussian(2, 3, 4) * 2) / 2
     params = f"top_k: {k} out_max_val: {str(out_val).lower()}"
     if axis is not None:
         params += f" axis: {axis}"
-    net = _forward(_layer("am", "ArgMax", ["x"], ["y"], f"argmax_param {{ {params} }}"), x=x)
+    net = _forward(layer_spec("am", "ArgMax", ["x"], ["y"], f"argmax_param {{ {params} }}"), x=x)
     if axis is not None:
         moved = np.moveaxis(x, axis, -1)
         want = np.zeros(moved.shape[:-1] + (k,))
@@ -371,14 +363,14 @@ def test_argmax_against_reference(axis, k, out_val):
 
 
 def test_argmax_4d_top_shape_and_force_backward():
-    net = _forward(_layer("am", "ArgMax", ["x"], ["y"], "argmax_param { top_k: 2 }"),
-                   force_backward=True, x=_rand(2, 3, 2, 2))
+    net = _forward(layer_spec("am", "ArgMax", ["x"], ["y"], "argmax_param { top_k: 2 }"),
+                   force_backward=True, x=gaussian(2, 3, 2, 2))
     assert net.blobs["y"].shape == (2, 1, 2, 1)
 
 
 def test_argmax_errors():
     with pytest.raises(LayerError, match=r"top_k 7 exceeds the 6 entries.*'x' \(2, 3, 2\)"):
-        _build(_layer("am", "ArgMax", ["x"], ["y"], "argmax_param { top_k: 7 }"), x=(2, 3, 2))
+        _build(layer_spec("am", "ArgMax", ["x"], ["y"], "argmax_param { top_k: 7 }"), x=(2, 3, 2))
     net = """
     layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } }
     layer { name: "ip" type: "InnerProduct" bottom: "x" top: "h"
@@ -391,10 +383,10 @@ def test_argmax_errors():
 
 # -- Silence --------------------------------------------------------------------------------
 def test_silence_writes_zero_diffs():
-    layer = _layer("si", "Silence", ["a", "b"], [])
+    layer = layer_spec("si", "Silence", ["a", "b"], [])
     net = Net(layer_net(layer, {"a": (2, 3), "b": (4,)}), phase=TRAIN, dtype="float64")
     assert net.outputs == []
-    net.forward(a=_rand(2, 3), b=_rand(4))
+    net.forward(a=gaussian(2, 3), b=gaussian(4))
     net.blobs["a"].diff[...] = 7
     net.blobs["b"].diff[...] = 7
     net.backward()
@@ -419,10 +411,10 @@ def test_silence_branch_adds_nothing_to_a_split_gradient():
 @pytest.mark.parametrize("op", ["SUM", "ASUM", "SUMSQ", "MEAN"])
 @pytest.mark.parametrize("axis, coeff", [(0, 1.0), (1, -0.5), (-1, 2.0)])
 def test_reduction_gradient(op, axis, coeff):
-    x = _rand(2, 3, 2)
+    x = gaussian(2, 3, 2)
     x += np.sign(x) * 0.1  # keep ASUM away from the kink at 0
     params = f"reduction_param {{ operation: {op} axis: {axis} coeff: {coeff} }}"
-    net = check_gradients(_layer("rd", "Reduction", ["x"], ["y"], params), {"x": x})
+    net = check_gradients(layer_spec("rd", "Reduction", ["x"], ["y"], params), {"x": x})
     net.forward(x=x)
     a = axis % 3
     blocks = x.reshape(int(np.prod(x.shape[:a])), -1)
@@ -436,21 +428,21 @@ def test_reduction_forward_hand_computed():
     cases = {"": 3.0 - 6.0, "operation: ASUM": 21.0, "operation: SUMSQ": 91.0,
              "operation: MEAN coeff: 2": 2 * -3.0 / 6}
     for params, want in cases.items():
-        net = _forward(_layer("rd", "Reduction", ["x"], ["y"], f"reduction_param {{ {params} }}"),
-                       x=x)
+        net = _forward(
+            layer_spec("rd", "Reduction", ["x"], ["y"], f"reduction_param {{ {params} }}"), x=x)
         assert net.blobs["y"].shape == ()
         assert net.blobs["y"].data == pytest.approx(want)
-    net = _forward(_layer("rd", "Reduction", ["x"], ["y"],
-                          "reduction_param { operation: ASUM axis: 1 }"), x=x)
+    net = _forward(layer_spec("rd", "Reduction", ["x"], ["y"],
+                              "reduction_param { operation: ASUM axis: 1 }"), x=x)
     np.testing.assert_array_equal(net.blobs["y"].data, [6, 15])
 
 
 # -- Tile -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("axis, tiles", [(0, 2), (1, 3), (2, 2), (-1, 1)])
 def test_tile_gradient(axis, tiles):
-    x = _rand(2, 2, 3)
+    x = gaussian(2, 2, 3)
     net = check_gradients(
-        _layer("ti", "Tile", ["x"], ["y"], f"tile_param {{ axis: {axis} tiles: {tiles} }}"),
+        layer_spec("ti", "Tile", ["x"], ["y"], f"tile_param {{ axis: {axis} tiles: {tiles} }}"),
         {"x": x})
     net.forward(x=x)
     a = axis % 3
@@ -464,14 +456,14 @@ def test_tile_gradient(axis, tiles):
 
 def test_tile_forward_hand_computed_and_errors():
     x = np.array([[1.0, 2.0], [3.0, 4.0]])
-    net = _forward(_layer("ti", "Tile", ["x"], ["y"], "tile_param { tiles: 2 }"), x=x)
+    net = _forward(layer_spec("ti", "Tile", ["x"], ["y"], "tile_param { tiles: 2 }"), x=x)
     np.testing.assert_array_equal(net.blobs["y"].data, [[1, 2, 1, 2], [3, 4, 3, 4]])
-    net = _forward(_layer("ti", "Tile", ["x"], ["y"], "tile_param { axis: 0 tiles: 2 }"), x=x)
+    net = _forward(layer_spec("ti", "Tile", ["x"], ["y"], "tile_param { axis: 0 tiles: 2 }"), x=x)
     np.testing.assert_array_equal(net.blobs["y"].data, [[1, 2], [3, 4], [1, 2], [3, 4]])
     with pytest.raises(LayerError, match=r"'ti'.*tiles must be given"):
-        _build(_layer("ti", "Tile", ["x"], ["y"]), x=(2, 2))
+        _build(layer_spec("ti", "Tile", ["x"], ["y"]), x=(2, 2))
     with pytest.raises(LayerError, match=r"tiles must be positive"):
-        _build(_layer("ti", "Tile", ["x"], ["y"], "tile_param { tiles: 0 }"), x=(2, 2))
+        _build(layer_spec("ti", "Tile", ["x"], ["y"], "tile_param { tiles: 0 }"), x=(2, 2))
 
 
 # -- Embed ----------------------------------------------------------------------------------
@@ -482,7 +474,7 @@ _EMBED = ('embed_param {{ num_output: 3 input_dim: 5 bias_term: {bias} '
 @pytest.mark.parametrize("bias", ["true", "false"])
 @pytest.mark.parametrize("indices", [[[0.0, 3.0], [3.0, 1.0]], [4.0, 4.0, 4.0, 0.0]])
 def test_embed_gradient(bias, indices):
-    net = check_gradients(_layer("em", "Embed", ["x"], ["y"], _EMBED.format(bias=bias)),
+    net = check_gradients(layer_spec("em", "Embed", ["x"], ["y"], _EMBED.format(bias=bias)),
                           {"x": np.array(indices)}, check=[])
     net.forward(x=np.array(indices))
     w = net.params["em"][0].data
@@ -495,7 +487,7 @@ def test_embed_gradient(bias, indices):
 
 
 def test_embed_weight_gradient_sums_repeated_indices():
-    layer = _layer("em", "Embed", ["x"], ["y"], _EMBED.format(bias="true"))
+    layer = layer_spec("em", "Embed", ["x"], ["y"], _EMBED.format(bias="true"))
     net = Net(layer_net(layer, {"x": (3,)}), phase=TRAIN, dtype="float64")
     net.forward(x=np.array([2.0, 0.0, 2.0]))
     net.backward(y=np.array([[1.0, 2.0, 3.0], [10.0, 20.0, 30.0], [100.0, 200.0, 300.0]]))
@@ -508,7 +500,7 @@ def test_embed_weight_gradient_sums_repeated_indices():
 
 @pytest.mark.parametrize("value", [5.0, -1.0, 1.5])
 def test_embed_bad_index_is_a_run_time_error(value):
-    layer = _layer("em", "Embed", ["x"], ["y"], _EMBED.format(bias="true"))
+    layer = layer_spec("em", "Embed", ["x"], ["y"], _EMBED.format(bias="true"))
     net = Net(layer_net(layer, {"x": (2,)}, force_backward=False), phase=TEST)
     with pytest.raises(PurineError, match=r"op 'em/EmbedForward'.*holds "
                                           rf"{value!r} at flat position 1.*\[0, 5\)"):

@@ -12,17 +12,7 @@ from purine.caffe.caffemodel import load_weights
 from purine.caffe.solver import Solver
 from purine.errors import LayerError, PurineError
 from purine.ops import array as arr
-from tests.gradcheck import check_gradients, layer_net
-
-
-def _rand(*shape: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal(shape)
-
-
-def _layer(name: str, type_: str, bottoms, tops, params: str = "") -> str:
-    b = " ".join(f'bottom: "{x}"' for x in bottoms)
-    t = " ".join(f'top: "{x}"' for x in tops)
-    return f'name: "{name}" type: "{type_}" {b} {t} {params}'
+from tests.gradcheck import check_gradients, gaussian, layer_net, layer_spec
 
 
 def _net(layer: str, force_backward: bool = True, **shapes) -> Net:
@@ -55,7 +45,7 @@ def test_parameter_read_by_two_layers_sums_both_gradients():
             'layer { name: "a" type: "Power" bottom: "w" top: "a" power_param { scale: 2 } }\n'
             'layer { name: "b" type: "Power" bottom: "w" top: "b" power_param { power: 2 } }\n')
     net = Net(text, phase=TRAIN, dtype="float64")
-    w = _rand(2, 3)
+    w = gaussian(2, 3)
     net.params["w"][0].data[...] = w
     net.forward()
     net.backward(a=np.ones((2, 3)), b=np.full((2, 3), 0.5))
@@ -153,27 +143,27 @@ def test_filter_forward_kernel_against_numpy(n_keep):
 ])
 def test_filter_gradient_selecting_everything(shapes, sel_shape):
     names = "abc"[:len(shapes)]
-    bottoms = {n: _rand(*s, seed=i) for i, (n, s) in enumerate(zip(names, shapes, strict=True))}
+    bottoms = {n: gaussian(*s, seed=i) for i, (n, s) in enumerate(zip(names, shapes, strict=True))}
     bottoms["sel"] = np.arange(1.0, sel_shape[0] + 1).reshape(sel_shape)
     tops = [f"y{n}" for n in names]
-    net = check_gradients(_layer("f", "Filter", [*names, "sel"], tops), bottoms,
+    net = check_gradients(layer_spec("f", "Filter", [*names, "sel"], tops), bottoms,
                           check=list(names))
     for n in names:
         np.testing.assert_array_equal(net.blobs[f"y{n}"].data, bottoms[n])
 
 
 def test_filter_selecting_fewer_items_is_a_run_time_error():
-    net = _net(_layer("f", "Filter", ["x", "sel"], ["y"]), x=(4, 2), sel=(4, 1))
+    net = _net(layer_spec("f", "Filter", ["x", "sel"], ["y"]), x=(4, 2), sel=(4, 1))
     with pytest.raises(PurineError, match=r"op 'f/FilterForward': Filter selector \(4, 1\) "
                                           r"selects 3 of 4 items, but the tops were built "
                                           r"with 4"):
-        net.forward(x=_rand(4, 2), sel=np.array([[1.0], [0.0], [1.0], [1.0]]))
+        net.forward(x=gaussian(4, 2), sel=np.array([[1.0], [0.0], [1.0], [1.0]]))
 
 
 def test_filter_never_asks_the_selector_for_a_gradient():
-    net = _net(_layer("f", "Filter", ["x", "sel"], ["y"]), x=(3, 2), sel=(3,))
-    net.forward(x=_rand(3, 2), sel=np.ones(3))
-    dy = _rand(3, 2, seed=1)
+    net = _net(layer_spec("f", "Filter", ["x", "sel"], ["y"]), x=(3, 2), sel=(3,))
+    net.forward(x=gaussian(3, 2), sel=np.ones(3))
+    dy = gaussian(3, 2, seed=1)
     np.testing.assert_array_equal(net.backward(y=dy)["x"], dy)
     ops = net.builder.layers[-1].backward_ops
     assert [op.outputs[0].name for op in ops] == ["x@diff"]
@@ -197,13 +187,13 @@ def test_filter_never_asks_the_selector_for_a_gradient():
 ])
 def test_filter_errors(bottoms, tops, params, shapes, match):
     with pytest.raises(LayerError, match=r"layer 'f' \(type Filter\): " + match):
-        _net(_layer("f", "Filter", bottoms, tops, params), **shapes)
+        _net(layer_spec("f", "Filter", bottoms, tops, params), **shapes)
 
 
 # -- BatchReindex ---------------------------------------------------------------------------
 def test_batch_reindex_by_hand():
     x = np.array([10.0, 20.0, 30.0])
-    net = _net(_layer("r", "BatchReindex", ["x", "p"], ["y"]), x=(3,), p=(4,))
+    net = _net(layer_spec("r", "BatchReindex", ["x", "p"], ["y"]), x=(3,), p=(4,))
     # 2.9 truncates to 2, as Caffe's int cast does; it is inside [0, 3), so allowed.
     y = net.forward(x=x, p=np.array([2.0, 0.0, 2.9, 2.0]))["y"]
     np.testing.assert_array_equal(y, [30, 10, 30, 30])
@@ -219,9 +209,9 @@ def test_batch_reindex_by_hand():
     ((3, 2), []),
 ])
 def test_batch_reindex_gradient(x_shape, permut):
-    x = _rand(*x_shape)
+    x = gaussian(*x_shape)
     p = np.array(permut, dtype=np.float64)
-    net = check_gradients(_layer("r", "BatchReindex", ["x", "p"], ["y"]), {"x": x, "p": p},
+    net = check_gradients(layer_spec("r", "BatchReindex", ["x", "p"], ["y"]), {"x": x, "p": p},
                           check=["x"])
     assert net.blobs["y"].shape == (len(permut),) + x_shape[1:]
     np.testing.assert_array_equal(net.blobs["y"].data, x[p.astype(int)])
@@ -231,7 +221,7 @@ def test_batch_reindex_backward_against_add_at():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 3))
     p = rng.integers(0, 5, 12).astype(np.float64)
-    net = _net(_layer("r", "BatchReindex", ["x", "p"], ["y"]), x=x.shape, p=p.shape)
+    net = _net(layer_spec("r", "BatchReindex", ["x", "p"], ["y"]), x=x.shape, p=p.shape)
     net.forward(x=x, p=p)
     dy = rng.standard_normal((12, 3))
     want = np.zeros_like(x)
@@ -241,13 +231,13 @@ def test_batch_reindex_backward_against_add_at():
 
 @pytest.mark.parametrize("bad, where", [(-1.0, 1), (3.0, 2), (-0.5, 0), (np.nan, 1)])
 def test_batch_reindex_index_out_of_range_is_a_run_time_error(bad, where):
-    net = _net(_layer("r", "BatchReindex", ["x", "p"], ["y"]), x=(3, 2), p=(3,))
+    net = _net(layer_spec("r", "BatchReindex", ["x", "p"], ["y"]), x=(3, 2), p=(3,))
     p = np.array([0.0, 1.0, 2.0])
     p[where] = bad
     with pytest.raises(PurineError, match=rf"op 'r/BatchReindexForward': BatchReindex index "
                                           rf"{bad!r} at position {where} of the index bottom "
                                           r"\(3,\) is outside \[0, 3\)"):
-        net.forward(x=_rand(3, 2), p=p)
+        net.forward(x=gaussian(3, 2), p=p)
 
 
 @pytest.mark.parametrize("bottoms, tops, params, shapes, match", [
@@ -263,11 +253,11 @@ def test_batch_reindex_index_out_of_range_is_a_run_time_error(bad, where):
 ])
 def test_batch_reindex_errors(bottoms, tops, params, shapes, match):
     with pytest.raises(LayerError, match=r"layer 'r' \(type BatchReindex\): " + match):
-        _net(_layer("r", "BatchReindex", bottoms, tops, params), **shapes)
+        _net(layer_spec("r", "BatchReindex", bottoms, tops, params), **shapes)
 
 
 def test_force_backward_leaves_the_index_and_selector_bottoms_alone():
-    net = _net(_layer("r", "BatchReindex", ["x", "p"], ["y"]), x=(3,), p=(2,))
+    net = _net(layer_spec("r", "BatchReindex", ["x", "p"], ["y"]), x=(3,), p=(2,))
     assert net.builder.layers[-1].bottom_need == [True, False]
-    net = _net(_layer("f", "Filter", ["x", "z", "sel"], ["y", "w"]), x=(3,), z=(3, 2), sel=(3,))
+    net = _net(layer_spec("f", "Filter", ["x", "z", "sel"], ["y", "w"]), x=(3,), z=(3, 2), sel=(3,))
     assert net.builder.layers[-1].bottom_need == [True, True, False]

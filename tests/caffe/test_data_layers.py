@@ -13,34 +13,25 @@ import pytest
 
 from purine.caffe import TEST, TRAIN, Net
 from purine.caffe.layers.data import add_images, set_input_arrays
-from purine.caffe.net import NetBuilder
-from purine.caffe.prototxt import read_net
 from purine.caffe.solver import Solver
 from purine.errors import LayerError, PurineError
-from purine.runtime import Dispatcher
 from tests.data.helpers import (
     caffe_transform,
+    data_layer,
+    data_net,
     encoded_datum,
     images,
     match_transform,
     raw_datum,
+    replica_labels,
+    train_step,
     write_lmdb,
     write_mean,
 )
 
 
-def data_layer(db, batch=4, transform="", tops=("data", "label"), extra="", backend="LMDB"):
-    tops = " ".join(f'top: "{t}"' for t in tops)
-    b = f"backend: {backend}" if backend else ""
-    return (f'layer {{ name: "data" type: "Data" {tops} data_param {{ source: "{db}" {b} '
-            f"batch_size: {batch} {extra} }} transform_param {{ {transform} }} }}")
-
-
-def data_net(db, phase=TRAIN, seed=0, dtype="float32", **kw):
-    return Net(data_layer(db, **kw), phase=phase, seed=seed, dtype=dtype)
-
-
 def batches(net, n):
+    """Every blob of ``n`` forward passes, by name."""
     out = []
     for _ in range(n):
         net.forward()
@@ -148,17 +139,6 @@ def test_rand_skip(raw_db):
         assert int(again[0]["label"][0]) == s  # seeded
         skips.add(s)
     assert len(skips) > 1
-
-
-def replica_labels(text, r, n_replicas, n):
-    b = NetBuilder(read_net(text), TRAIN, replica=(r, n_replicas))
-    d = Dispatcher(b.graph)
-    ops = [op for L in b.layers for op in L.forward_ops]
-    out = []
-    for _ in range(n):
-        d.run(ops)
-        out.append(d.array(b.data["label"]).astype(int).tolist())
-    return out
 
 
 def test_replicas_read_disjoint_batches(tmp_path):
@@ -413,17 +393,13 @@ def test_data_layer_net_trains_and_resumes_with_the_same_batches(tmp_path):
         f'max_iter: 10\ntest_iter: 1\ntest_interval: 1000\nrandom_seed: 11\n'
         f'snapshot_prefix: "{tmp_path}/snap"\n')
 
-    def step(solver):
-        solver.step(1)
-        return solver.net.blobs["data"].data.copy(), solver.net.blobs["label"].data.copy()
-
     a = Solver(str(tmp_path / "solver.prototxt"))
     losses = []
     for _ in range(3):
-        step(a)
+        train_step(a)
         losses.append(a.net.loss)
     _, state = a.snapshot()
-    straight = [step(a) for _ in range(3)]
+    straight = [train_step(a) for _ in range(3)]
     weights = a.net.params["ip"][0].data.copy()
     assert np.isfinite(losses).all()
 
@@ -431,7 +407,7 @@ def test_data_layer_net_trains_and_resumes_with_the_same_batches(tmp_path):
     b.restore(state)
     assert b.iter == 3
     assert b.net.builder.stateful["data/cursor"].state() == {"batch": 3}
-    for (data, label), (want_data, want_label) in zip([step(b) for _ in range(3)], straight):
+    for (data, label), (want_data, want_label) in zip([train_step(b) for _ in range(3)], straight):
         np.testing.assert_array_equal(data, want_data)
         np.testing.assert_array_equal(label, want_label)
     np.testing.assert_array_equal(b.net.params["ip"][0].data, weights)

@@ -2,7 +2,6 @@
 bit-identical resume from .h5, files in Caffe's layout written by hand loading into Net, and
 BVLC's cifar10_quick solver training and snapshotting unchanged through the command."""
 
-import logging
 import os
 
 import h5py
@@ -211,21 +210,6 @@ def test_a_caffe_written_solverstate_h5_restores(tmp_path):
     with pytest.raises(PurineError, match="5 history datasets, the 'Adam' solver of this net "
                                           "needs 6"):
         s.restore(tmp_path / "c.solverstate.h5")
-
-
-@pytest.fixture
-def log_lines():
-    lines: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            lines.append(record.getMessage())
-
-    handler = Keep()
-    log = logging.getLogger("purine")
-    log.addHandler(handler)
-    yield lines
-    log.removeHandler(handler)
 
 
 # -- BVLC's cifar10_quick solver (snapshot_format: HDF5) on stand-in data ------------------

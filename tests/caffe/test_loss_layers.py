@@ -9,24 +9,10 @@ import pytest
 
 from purine.caffe import TEST, TRAIN, Net
 from purine.errors import LabelError, LayerError, PurineError
-from tests.gradcheck import check_gradients, layer_net
+from tests.gradcheck import check_gradients, forward_layer, layer_net, random_labels
 
 RNG = np.random.default_rng(1234)
 FLT_MIN = np.finfo(np.float32).tiny
-
-
-def run(layer: str, phase: int = TRAIN, **bottoms: np.ndarray) -> Net:
-    net = Net(layer_net(layer, {n: np.shape(v) for n, v in bottoms.items()}), phase=phase,
-              dtype="float64")
-    net.forward(**{n: np.asarray(v, dtype=np.float64) for n, v in bottoms.items()})
-    return net
-
-
-def labels(shape, classes, ignore=None, frac=0.3):
-    lab = RNG.integers(0, classes, size=shape).astype(np.float64)
-    if ignore is not None:
-        lab[RNG.random(shape) < frac] = ignore
-    return lab
 
 
 # -- plain references (loops, as Caffe writes them) -----------------------------------------
@@ -100,7 +86,7 @@ def test_softmax_in_place_gradient():
 
 def test_softmax_is_stable_for_large_scores():
     x = np.array([[1000.0, 1001.0, 1002.0], [-1000.0, -1000.0, -1000.0]])
-    y = run('name: "sm" type: "Softmax" bottom: "x" top: "y"', x=x).blobs["y"].data
+    y = forward_layer('name: "sm" type: "Softmax" bottom: "x" top: "y"', x=x).blobs["y"].data
     e = np.exp([-2.0, -1.0, 0.0])
     np.testing.assert_allclose(y, [e / e.sum(), [1 / 3] * 3], rtol=1e-14)
 
@@ -116,13 +102,13 @@ def swl(loss_param: str = "", extra: str = "", axis: int | None = None) -> str:
 def test_softmax_with_loss_by_hand():
     # Row 0: scores 1, 2, 3, label 2: p = 1 / (1 + e^-1 + e^-2). Row 1: all equal, p = 1/3.
     x = np.array([[1.0, 2.0, 3.0], [1.0, 1.0, 1.0]])
-    net = run(swl(), scores=x, label=np.array([2.0, 0.0]))
+    net = forward_layer(swl(), scores=x, label=np.array([2.0, 0.0]))
     want = (math.log(1 + math.exp(-1) + math.exp(-2)) + math.log(3)) / 2
     assert net.blobs["loss"].data.shape == ()
     assert float(net.blobs["loss"].data) == pytest.approx(want, rel=1e-14)
     assert net.loss == pytest.approx(want, rel=1e-14)  # default loss weight 1
     # With label 1 ignored in row 0 as well, VALID divides by the one label left.
-    net = run(swl("ignore_label: 2"), scores=x, label=np.array([2.0, 0.0]))
+    net = forward_layer(swl("ignore_label: 2"), scores=x, label=np.array([2.0, 0.0]))
     assert float(net.blobs["loss"].data) == pytest.approx(math.log(3), rel=1e-14)
 
 
@@ -136,9 +122,10 @@ MODES = [("", "VALID"), ("normalization: FULL", "FULL"), ("normalization: VALID"
 @pytest.mark.parametrize("ignore", [None, -1, 0])
 def test_softmax_with_loss_forward_matches_reference(param, mode, ignore):
     x = RNG.standard_normal((3, 4, 2, 2))
-    lab = labels((3, 1, 2, 2), 4, ignore=ignore if ignore is not None and ignore < 0 else None)
+    lab = random_labels(RNG, (3, 1, 2, 2), 4,
+                        ignore=ignore if ignore is not None and ignore < 0 else None)
     lp = f"{param} ignore_label: {ignore}" if ignore is not None else param
-    net = run(swl(lp), scores=x, label=lab)
+    net = forward_layer(swl(lp), scores=x, label=lab)
     want = ref_softmax_loss(x, lab, ignore=ignore, mode=mode)
     assert float(net.blobs["loss"].data) == pytest.approx(want, rel=1e-12)
 
@@ -149,14 +136,14 @@ def test_softmax_with_loss_forward_matches_reference(param, mode, ignore):
 @pytest.mark.parametrize("ignore", [None, -1])
 def test_softmax_with_loss_gradient(param, ignore):
     x = RNG.standard_normal((3, 4))
-    lab = labels((3,), 4, ignore=ignore)
+    lab = random_labels(RNG, (3,), 4, ignore=ignore)
     lp = f"{param} ignore_label: {ignore}" if ignore is not None else param
     check_gradients(swl(lp), {"scores": x, "label": lab}, check=["scores"])
 
 
 def test_softmax_with_loss_spatial_gradient_and_loss_weight_2():
     x = RNG.standard_normal((2, 3, 2, 3))
-    lab = labels((2, 1, 2, 3), 3, ignore=255)
+    lab = random_labels(RNG, (2, 1, 2, 3), 3, ignore=255)
     net = check_gradients(swl("ignore_label: 255", extra="loss_weight: 2", axis=1),
                           {"scores": x, "label": lab}, check=["scores"])
     net.forward(scores=x, label=lab)
@@ -177,7 +164,7 @@ def test_softmax_with_loss_spatial_gradient_and_loss_weight_2():
 
 def test_softmax_with_loss_on_a_later_axis():
     x = RNG.standard_normal((2, 3, 5))  # (N, T, classes): labels (N, T)
-    lab = labels((2, 3), 5, ignore=-1)
+    lab = random_labels(RNG, (2, 3), 5, ignore=-1)
     net = check_gradients(swl("ignore_label: -1 normalization: FULL", axis=-1),
                           {"scores": x, "label": lab}, check=["scores"])
     net.forward(scores=x, label=lab)
@@ -187,7 +174,7 @@ def test_softmax_with_loss_on_a_later_axis():
 
 def test_softmax_with_loss_second_top_is_the_probability():
     x = RNG.standard_normal((3, 4, 2))
-    lab = labels((3, 2), 4)
+    lab = random_labels(RNG, (3, 2), 4)
     layer = ('name: "loss" type: "SoftmaxWithLoss" bottom: "scores" bottom: "label" '
              'top: "loss" top: "prob"')
     net = check_gradients(layer, {"scores": x, "label": lab}, check=["scores"], tops=["loss"])
@@ -198,13 +185,13 @@ def test_softmax_with_loss_second_top_is_the_probability():
 
 def test_softmax_with_loss_clamps_the_probability_at_flt_min():
     x = np.array([[0.0, -800.0]])  # p(class 1) underflows to 0 in float64
-    net = run(swl(), scores=x, label=np.array([1.0]))
+    net = forward_layer(swl(), scores=x, label=np.array([1.0]))
     assert float(net.blobs["loss"].data) == pytest.approx(-math.log(FLT_MIN), rel=1e-12)
 
 
 def test_softmax_with_loss_all_ignored_gives_zero_not_nan():
     x = RNG.standard_normal((2, 3))
-    net = run(swl("ignore_label: -1"), scores=x, label=np.array([-1.0, -1.0]))
+    net = forward_layer(swl("ignore_label: -1"), scores=x, label=np.array([-1.0, -1.0]))
     assert float(net.blobs["loss"].data) == 0.0
     net.backward()
     assert np.all(net.blobs["scores"].diff == 0)
@@ -212,8 +199,8 @@ def test_softmax_with_loss_all_ignored_gives_zero_not_nan():
 
 def test_softmax_with_loss_truncates_labels_like_a_cast_to_int():
     x = RNG.standard_normal((2, 3))
-    a = run(swl(), scores=x, label=np.array([2.7, 0.2])).blobs["loss"].data
-    b = run(swl(), scores=x, label=np.array([2.0, 0.0])).blobs["loss"].data
+    a = forward_layer(swl(), scores=x, label=np.array([2.7, 0.2])).blobs["loss"].data
+    b = forward_layer(swl(), scores=x, label=np.array([2.0, 0.0])).blobs["loss"].data
     assert float(a) == float(b)
 
 
@@ -222,7 +209,7 @@ def test_softmax_with_loss_truncates_labels_like_a_cast_to_int():
 def test_softmax_with_loss_bad_label_value_is_a_clear_error(bad, text):
     x = RNG.standard_normal((3, 3))
     with pytest.raises(LabelError, match=r"outside \[0, 3\)") as err:
-        run(swl(), scores=x, label=np.array([0.0, bad, 1.0]))
+        forward_layer(swl(), scores=x, label=np.array([0.0, bad, 1.0]))
     assert isinstance(err.value, PurineError)
     assert text in str(err.value) and "index (1,)" in str(err.value)
     assert "loss/" in str(err.value)  # the dispatcher names the op, hence the layer
@@ -231,22 +218,22 @@ def test_softmax_with_loss_bad_label_value_is_a_clear_error(bad, text):
 def test_softmax_with_loss_ignore_label_names_itself_in_the_error():
     x = RNG.standard_normal((2, 3))
     with pytest.raises(LabelError, match="not the ignore_label 255"):
-        run(swl("ignore_label: 255"), scores=x, label=np.array([7.0, 255.0]))
+        forward_layer(swl("ignore_label: 255"), scores=x, label=np.array([7.0, 255.0]))
 
 
 def test_softmax_with_loss_label_count_mismatch():
     with pytest.raises(LayerError, match=r"'label' \(2, 3\) holds 6 labels.*'scores' "
                                          r"\(2, 3, 2\) with axis 1 needs 2 x 2 = 4"):
-        run(swl(), scores=np.zeros((2, 3, 2)), label=np.zeros((2, 3)))
+        forward_layer(swl(), scores=np.zeros((2, 3, 2)), label=np.zeros((2, 3)))
     with pytest.raises(LayerError, match=r"'label' \(2, 3\) holds 6 labels.*'scores' \(2, 3\)"):
-        run(swl(), scores=np.zeros((2, 3)), label=np.zeros((2, 3)))
+        forward_layer(swl(), scores=np.zeros((2, 3)), label=np.zeros((2, 3)))
     with pytest.raises(LayerError, match="same first dimension"):
-        run(swl(), scores=np.zeros((2, 3)), label=np.zeros((1, 2)))
+        forward_layer(swl(), scores=np.zeros((2, 3)), label=np.zeros((1, 2)))
 
 
 def test_softmax_with_loss_without_a_top_gets_an_automatic_one():
     layer = 'name: "loss" type: "SoftmaxWithLoss" bottom: "scores" bottom: "label"'
-    net = run(layer, scores=np.zeros((2, 4)), label=np.array([1.0, 3.0]))
+    net = forward_layer(layer, scores=np.zeros((2, 4)), label=np.array([1.0, 3.0]))
     assert net.loss == pytest.approx(math.log(4), rel=1e-14)
 
 
@@ -254,7 +241,8 @@ def test_softmax_with_loss_without_a_top_gets_an_automatic_one():
 def test_euclidean_loss_by_hand():
     a = np.array([[1.0, 2.0], [3.0, 4.0]])
     b = np.array([[0.0, 0.0], [1.0, 1.0]])
-    net = run('name: "l2" type: "EuclideanLoss" bottom: "a" bottom: "b" top: "loss"', a=a, b=b)
+    net = forward_layer('name: "l2" type: "EuclideanLoss" bottom: "a" bottom: "b" top: "loss"',
+                        a=a, b=b)
     assert float(net.blobs["loss"].data) == pytest.approx((1 + 4 + 4 + 9) / 2 / 2, rel=1e-15)
 
 
@@ -270,8 +258,8 @@ def test_euclidean_loss_gradient_both_bottoms(shape_b, extra):
 
 def test_euclidean_loss_count_mismatch():
     with pytest.raises(LayerError, match=r"'a' \(2, 3\) and bottom 'b' \(2, 4\) differ"):
-        run('name: "l2" type: "EuclideanLoss" bottom: "a" bottom: "b" top: "loss"',
-            a=np.zeros((2, 3)), b=np.zeros((2, 4)))
+        forward_layer('name: "l2" type: "EuclideanLoss" bottom: "a" bottom: "b" top: "loss"',
+                      a=np.zeros((2, 3)), b=np.zeros((2, 4)))
 
 
 # -- SigmoidCrossEntropyLoss -------------------------------------------------------------------
@@ -296,7 +284,7 @@ def test_sigmoid_cross_entropy_by_hand():
     # x = 0: log 2 whatever the target; x = ln 3, t = 1: -log(3/4). Divided by num = 2.
     x = np.array([[0.0, math.log(3)], [0.0, 0.0]])
     t = np.array([[0.3, 1.0], [1.0, 0.0]])
-    net = run(sce(), x=x, t=t)
+    net = forward_layer(sce(), x=x, t=t)
     want = (3 * math.log(2) - math.log(0.75)) / 2
     assert float(net.blobs["loss"].data) == pytest.approx(want, rel=1e-14)
 
@@ -319,7 +307,7 @@ def test_sigmoid_cross_entropy_gradient_and_value(param, mode, ignore):
 
 def test_sigmoid_cross_entropy_is_stable_for_large_inputs():
     x = np.array([[800.0, -800.0]])
-    net = run(sce(), x=x, t=np.array([[0.0, 1.0]]))
+    net = forward_layer(sce(), x=x, t=np.array([[0.0, 1.0]]))
     assert float(net.blobs["loss"].data) == pytest.approx(1600.0, rel=1e-14)
     net.backward()
     np.testing.assert_allclose(net.blobs["x"].diff, [[1.0, -1.0]], rtol=1e-14)
@@ -327,7 +315,7 @@ def test_sigmoid_cross_entropy_is_stable_for_large_inputs():
 
 def test_sigmoid_cross_entropy_count_mismatch():
     with pytest.raises(LayerError, match=r"'x' \(2, 3\) and bottom 't' \(2, 2\) differ in count"):
-        run(sce(), x=np.zeros((2, 3)), t=np.zeros((2, 2)))
+        forward_layer(sce(), x=np.zeros((2, 3)), t=np.zeros((2, 2)))
 
 
 # -- HingeLoss ---------------------------------------------------------------------------------
@@ -341,9 +329,9 @@ def test_hinge_loss_by_hand():
     # Sample 1, label 2: max(0, 1 + 0.2), max(0, 1 - 3), max(0, 1 - 0.5) = 1.2, 0, 0.5.
     x = np.array([[1.0, -1.0, 0.5], [0.2, -3.0, 0.5]])
     lab = np.array([0.0, 2.0])
-    assert float(run(hinge(), x=x, label=lab).blobs["loss"].data) == pytest.approx(
+    assert float(forward_layer(hinge(), x=x, label=lab).blobs["loss"].data) == pytest.approx(
         (1.5 + 1.2 + 0.5) / 2, rel=1e-14)
-    assert float(run(hinge("L2"), x=x, label=lab).blobs["loss"].data) == pytest.approx(
+    assert float(forward_layer(hinge("L2"), x=x, label=lab).blobs["loss"].data) == pytest.approx(
         (1.5**2 + 1.2**2 + 0.5**2) / 2, rel=1e-14)
 
 
@@ -351,13 +339,13 @@ def test_hinge_loss_by_hand():
 @pytest.mark.parametrize("shape", [(4, 3), (3, 2, 2)])
 def test_hinge_loss_gradient(norm, shape):
     x = RNG.standard_normal(shape) * 2
-    lab = labels((shape[0],), math.prod(shape[1:]))
+    lab = random_labels(RNG, (shape[0],), math.prod(shape[1:]))
     check_gradients(hinge(norm), {"x": x, "label": lab}, check=["x"])
 
 
 def test_hinge_loss_bad_label():
     with pytest.raises(LabelError, match=r"label value 5 .*outside \[0, 3\)"):
-        run(hinge(), x=np.zeros((2, 3)), label=np.array([0.0, 5.0]))
+        forward_layer(hinge(), x=np.zeros((2, 3)), label=np.array([0.0, 5.0]))
 
 
 # -- Accuracy ----------------------------------------------------------------------------------
@@ -372,22 +360,22 @@ def test_accuracy_top_1_and_2_by_hand():
                   [0.2, 0.3, 0.5],    # label 0: third
                   [0.3, 0.3, 0.4]])   # label 1: tied for second
     lab = np.array([2.0, 0.0, 0.0, 1.0])
-    net = run(acc(), phase=TEST, x=x, label=lab)
+    net = forward_layer(acc(), phase=TEST, x=x, label=lab)
     assert net.blobs["acc"].data.shape == ()
     assert float(net.blobs["acc"].data) == 0.25
     # Top 2: row 0 in; row 3's label ties with class 0, and Caffe counts a tie against it:
     # three classes score >= 0.3, which is more than two.
-    net = run(acc("top_k: 2"), phase=TEST, x=x, label=lab)
+    net = forward_layer(acc("top_k: 2"), phase=TEST, x=x, label=lab)
     assert float(net.blobs["acc"].data) == 0.5
-    net = run(acc("top_k: 3"), phase=TEST, x=x, label=lab)
+    net = forward_layer(acc("top_k: 3"), phase=TEST, x=x, label=lab)
     assert float(net.blobs["acc"].data) == 1.0
 
 
 def test_accuracy_ties_count_against_the_label():
     x = np.array([[1.0, 1.0, 0.0], [2.0, 2.0, 2.0]])
-    net = run(acc(), phase=TEST, x=x, label=np.array([0.0, 2.0]))
+    net = forward_layer(acc(), phase=TEST, x=x, label=np.array([0.0, 2.0]))
     assert float(net.blobs["acc"].data) == 0.0
-    net = run(acc("top_k: 2"), phase=TEST, x=x, label=np.array([0.0, 2.0]))
+    net = forward_layer(acc("top_k: 2"), phase=TEST, x=x, label=np.array([0.0, 2.0]))
     assert float(net.blobs["acc"].data) == 0.5
 
 
@@ -395,8 +383,8 @@ def test_accuracy_ignore_label_and_per_class():
     x = np.array([[0.9, 0.1, 0.0], [0.1, 0.8, 0.1], [0.6, 0.3, 0.1], [0.2, 0.2, 0.6],
                   [0.5, 0.4, 0.1]])
     lab = np.array([0.0, 1.0, 1.0, -1.0, 0.0])
-    net = run(acc("ignore_label: -1", tops='top: "acc" top: "per_class"'), phase=TEST, x=x,
-              label=lab)
+    net = forward_layer(acc("ignore_label: -1", tops='top: "acc" top: "per_class"'), phase=TEST,
+                        x=x, label=lab)
     assert float(net.blobs["acc"].data) == 0.75  # 3 right of 4 counted
     np.testing.assert_array_equal(net.blobs["per_class"].data, [1.0, 0.5, 0.0])
     assert net.blobs["per_class"].data.shape == (3,)
@@ -407,9 +395,9 @@ def test_accuracy_ignore_label_and_per_class():
 @pytest.mark.parametrize("ignore", [None, 1])
 def test_accuracy_spatial_matches_reference(top_k, ignore):
     x = RNG.integers(0, 3, size=(3, 4, 2, 3)).astype(np.float64)  # many ties
-    lab = labels((3, 1, 2, 3), 4)
+    lab = random_labels(RNG, (3, 1, 2, 3), 4)
     p = f"top_k: {top_k}" + (f" ignore_label: {ignore}" if ignore is not None else "")
-    net = run(acc(p, tops='top: "acc" top: "per_class"'), phase=TEST, x=x, label=lab)
+    net = forward_layer(acc(p, tops='top: "acc" top: "per_class"'), phase=TEST, x=x, label=lab)
     want, per = ref_accuracy(x, lab, top_k=top_k, ignore=ignore)
     assert float(net.blobs["acc"].data) == pytest.approx(want, rel=1e-15)
     np.testing.assert_allclose(net.blobs["per_class"].data, per, rtol=1e-15)
@@ -417,25 +405,25 @@ def test_accuracy_spatial_matches_reference(top_k, ignore):
 
 def test_accuracy_on_a_later_axis_and_with_nothing_counted():
     x = RNG.standard_normal((2, 3, 4))
-    lab = labels((2, 3), 4)
-    net = run(acc("axis: 2"), phase=TEST, x=x, label=lab)
+    lab = random_labels(RNG, (2, 3), 4)
+    net = forward_layer(acc("axis: 2"), phase=TEST, x=x, label=lab)
     assert float(net.blobs["acc"].data) == pytest.approx(ref_accuracy(x, lab, axis=2)[0])
-    net = run(acc("ignore_label: 0"), phase=TEST, x=np.zeros((2, 3)), label=np.zeros(2))
+    net = forward_layer(acc("ignore_label: 0"), phase=TEST, x=np.zeros((2, 3)), label=np.zeros(2))
     assert float(net.blobs["acc"].data) == 0.0
 
 
 def test_accuracy_errors():
     with pytest.raises(LayerError, match="top_k 4 is more than the 3 classes"):
-        run(acc("top_k: 4"), phase=TEST, x=np.zeros((2, 3)), label=np.zeros(2))
+        forward_layer(acc("top_k: 4"), phase=TEST, x=np.zeros((2, 3)), label=np.zeros(2))
     with pytest.raises(LayerError, match=r"'label' \(3,\) holds 3 labels"):
-        run(acc(), phase=TEST, x=np.zeros((2, 3)), label=np.zeros(3))
+        forward_layer(acc(), phase=TEST, x=np.zeros((2, 3)), label=np.zeros(3))
     with pytest.raises(LabelError, match="label value 3 "):
-        run(acc(), phase=TEST, x=np.zeros((2, 3)), label=np.array([0.0, 3.0]))
+        forward_layer(acc(), phase=TEST, x=np.zeros((2, 3)), label=np.array([0.0, 3.0]))
 
 
 def test_accuracy_has_no_gradient():
     # force_backward alone leaves Accuracy out of the backward pass ...
-    net = run(acc(), phase=TRAIN, x=np.eye(3), label=np.arange(3.0))
+    net = forward_layer(acc(), phase=TRAIN, x=np.eye(3), label=np.arange(3.0))
     net.backward()
     assert float(net.blobs["acc"].data) == 1.0
     # ... but a net whose loss goes through it is an error.
@@ -457,7 +445,7 @@ def test_classifier_head_shares_scores_between_loss_and_accuracy():
             'top: "loss" }\n'
             'layer { name: "acc" type: "Accuracy" bottom: "s" bottom: "label" top: "acc" }\n')
     net = Net(text, phase=TRAIN, dtype="float64")
-    x, lab = RNG.standard_normal((5, 4)), labels((5,), 3)
+    x, lab = RNG.standard_normal((5, 4)), random_labels(RNG, (5,), 3)
     out = net.forward(x=x, label=lab)
     w, b = (p.data for p in net.params["ip"])
     s = x @ w.T + b

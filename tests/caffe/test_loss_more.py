@@ -13,25 +13,11 @@ from purine.caffe import TEST, TRAIN, Net
 from purine.caffe import caffe_pb2 as pb
 from purine.errors import LabelError, LayerError
 from purine.ops import loss as ls
-from tests.gradcheck import check_gradients, layer_net
+from tests.gradcheck import check_gradients, forward_layer, layer_net, random_labels
 
 RNG = np.random.default_rng(4321)
 # Caffe's kLOG_THRESHOLD is the float 1e-20; a double net widens that float.
 LOG_THRESHOLD = float(np.float32(1e-20))
-
-
-def run(layer: str, phase: int = TRAIN, **bottoms: np.ndarray) -> Net:
-    net = Net(layer_net(layer, {n: np.shape(v) for n, v in bottoms.items()}), phase=phase,
-              dtype="float64")
-    net.forward(**{n: np.asarray(v, dtype=np.float64) for n, v in bottoms.items()})
-    return net
-
-
-def labels(shape, classes, ignore=None, frac=0.3):
-    lab = RNG.integers(0, classes, size=shape).astype(np.float64)
-    if ignore is not None:
-        lab[RNG.random(shape) < frac] = ignore
-    return lab
 
 
 def ref_softmax(x, axis):
@@ -59,7 +45,7 @@ def mll(extra: str = "") -> str:
 
 def test_multinomial_logistic_loss_by_hand():
     prob = np.array([[0.2, 0.5, 0.3], [0.25, 0.25, 0.5]])
-    net = run(mll(), prob=prob, label=np.array([1.0, 2.0]))
+    net = forward_layer(mll(), prob=prob, label=np.array([1.0, 2.0]))
     assert net.blobs["loss"].data.shape == ()
     assert float(net.blobs["loss"].data) == pytest.approx(math.log(2), rel=1e-15)
     assert net.loss == pytest.approx(math.log(2), rel=1e-15)
@@ -70,8 +56,8 @@ def test_multinomial_logistic_loss_by_hand():
 def test_multinomial_logistic_loss_flattens_all_axes_after_the_first():
     # dim = count / num = 6: a label indexes the flattened (3, 2) sample.
     prob = RNG.random((2, 3, 2)) + 0.1
-    net = run(mll("loss_param { normalization: FULL ignore_label: 5 }"), prob=prob,
-              label=np.array([5.0, 2.0]))
+    net = forward_layer(mll("loss_param { normalization: FULL ignore_label: 5 }"), prob=prob,
+                        label=np.array([5.0, 2.0]))
     # loss_param plays no part: no ignored label and always divided by num.
     want = -(math.log(prob[0].reshape(-1)[5]) + math.log(prob[1].reshape(-1)[2])) / 2
     assert float(net.blobs["loss"].data) == pytest.approx(want, rel=1e-14)
@@ -79,7 +65,7 @@ def test_multinomial_logistic_loss_flattens_all_axes_after_the_first():
 
 def test_multinomial_logistic_loss_clamps_at_the_float_log_threshold():
     prob = np.array([[1.0, 0.0], [0.5, 0.5]])
-    net = run(mll(), prob=prob, label=np.array([1.0, 0.0]))
+    net = forward_layer(mll(), prob=prob, label=np.array([1.0, 0.0]))
     want = (-math.log(LOG_THRESHOLD) + math.log(2)) / 2
     assert float(net.blobs["loss"].data) == pytest.approx(want, rel=1e-15)
     net.backward()
@@ -92,7 +78,7 @@ def test_multinomial_logistic_loss_clamps_at_the_float_log_threshold():
     ((2, 3, 2, 2), (2,), ""), ((4, 5, 1, 1), (4, 1), "loss_weight: 0.5")])
 def test_multinomial_logistic_loss_gradient(shape, label_shape, extra):
     prob = RNG.random(shape) + 0.2  # away from the clamp
-    lab = labels(label_shape, math.prod(shape[1:]))
+    lab = random_labels(RNG, label_shape, math.prod(shape[1:]))
     net = check_gradients(mll(extra), {"prob": prob, "label": lab}, check=["prob"])
     net.forward(prob=prob, label=lab)
     p2, idx = prob.reshape(shape[0], -1), lab.reshape(-1).astype(int)
@@ -102,14 +88,14 @@ def test_multinomial_logistic_loss_gradient(shape, label_shape, extra):
 
 def test_multinomial_logistic_loss_errors():
     with pytest.raises(LayerError, match=r"'label' \(2, 3\) must hold one label per sample"):
-        run(mll(), prob=np.full((2, 3), 0.3), label=np.zeros((2, 3)))
+        forward_layer(mll(), prob=np.full((2, 3), 0.3), label=np.zeros((2, 3)))
     with pytest.raises(LayerError, match="same first dimension"):
-        run(mll(), prob=np.full((2, 3), 0.3), label=np.zeros(3))
+        forward_layer(mll(), prob=np.full((2, 3), 0.3), label=np.zeros(3))
     with pytest.raises(LayerError, match=r"\(1, 1, 1, 1, 2\) has 5 axes; "
                                          "MultinomialLogisticLoss takes blobs of at most 4"):
-        run(mll(), prob=np.full((1, 1, 1, 1, 2), 0.5), label=np.zeros(1))
+        forward_layer(mll(), prob=np.full((1, 1, 1, 1, 2), 0.5), label=np.zeros(1))
     with pytest.raises(LabelError, match=r"label value 3 at index \(1,\).*outside \[0, 3\)"):
-        run(mll(), prob=np.full((2, 3), 0.3), label=np.array([0.0, 3.0]))
+        forward_layer(mll(), prob=np.full((2, 3), 0.3), label=np.array([0.0, 3.0]))
 
 
 # -- InfogainLoss ------------------------------------------------------------------------------
@@ -155,7 +141,7 @@ def test_infogain_loss_by_hand(tmp_path):
     # Equal scores: p = 1/2 each. Label 1 takes H's row (3, 4): 7 log 2; label 0 (1, 2): 3 log 2.
     h = np.array([[1.0, 2.0], [3.0, 4.0]])
     src = write_blob(tmp_path / "H.binaryproto", h)
-    net = run(infogain(source=src), scores=np.zeros((2, 2)), label=np.array([1.0, 0.0]))
+    net = forward_layer(infogain(source=src), scores=np.zeros((2, 2)), label=np.array([1.0, 0.0]))
     assert float(net.blobs["loss"].data) == pytest.approx(10 * math.log(2) / 2, rel=1e-15)
     net.backward()  # p * rowsum - H[label] over the 2 valid labels
     np.testing.assert_allclose(net.blobs["scores"].diff,
@@ -165,12 +151,12 @@ def test_infogain_loss_by_hand(tmp_path):
 
 def test_infogain_loss_with_identity_h_is_softmax_with_loss(tmp_path):
     x = RNG.standard_normal((3, 4, 2))
-    lab = labels((3, 2), 4, ignore=-1)
+    lab = random_labels(RNG, (3, 2), 4, ignore=-1)
     src = write_blob(tmp_path / "I.binaryproto", np.eye(4))
     lp = "ignore_label: -1 normalization: FULL"
-    info = run(infogain(lp, source=src), scores=x, label=lab)
-    swl = run('name: "swl" type: "SoftmaxWithLoss" bottom: "scores" bottom: "label" '
-              f'top: "loss" loss_param {{ {lp} }}', scores=x, label=lab)
+    info = forward_layer(infogain(lp, source=src), scores=x, label=lab)
+    swl = forward_layer('name: "swl" type: "SoftmaxWithLoss" bottom: "scores" bottom: "label" '
+                        f'top: "loss" loss_param {{ {lp} }}', scores=x, label=lab)
     assert float(info.blobs["loss"].data) == pytest.approx(float(swl.blobs["loss"].data),
                                                            rel=1e-13)
     info.backward()
@@ -200,7 +186,7 @@ def test_infogain_loss_gradient_and_value(tmp_path, loss_param, mode, ignore, ax
     classes = shape[ax]
     x = RNG.standard_normal(shape)
     lab_shape = shape[:ax] + shape[ax + 1:]
-    lab = labels(lab_shape, classes, ignore=ignore if ignore == -1 else None)
+    lab = random_labels(RNG, lab_shape, classes, ignore=ignore if ignore == -1 else None)
     h = RNG.random((classes, classes)).astype(np.float32).astype(np.float64)  # exact in a file
     if h_from == "file":
         layer = infogain(loss_param, axis=axis,
@@ -224,13 +210,13 @@ def test_infogain_loss_h_in_double_and_any_shape_of_its_count(tmp_path):
     h = np.full((4, 4), 0.1) + np.eye(4)
     x, lab = RNG.standard_normal((2, 4)), np.array([3.0, 1.0])
     src = write_blob(tmp_path / "H.binaryproto", h.reshape(16), double=True)
-    net = run(infogain(source=src), scores=x, label=lab)
+    net = forward_layer(infogain(source=src), scores=x, label=lab)
     assert float(net.blobs["loss"].data) == pytest.approx(ref_infogain(x, lab, h)[0], rel=1e-14)
 
 
 def test_infogain_loss_second_top_and_loss_weight(tmp_path):
     x = RNG.standard_normal((3, 4))
-    lab = labels((3,), 4)
+    lab = random_labels(RNG, (3,), 4)
     h = RNG.random((4, 4)).astype(np.float32).astype(np.float64)
     src = write_blob(tmp_path / "H.binaryproto", h)
     layer = infogain(extra='top: "prob" loss_weight: 2', source=src)
@@ -248,7 +234,8 @@ def test_infogain_loss_second_top_and_loss_weight(tmp_path):
 def test_infogain_loss_clamps_the_probability_and_runs_in_float32(tmp_path):
     h = np.array([[0.0, 1.0], [1.0, 0.0]])
     src = write_blob(tmp_path / "H.binaryproto", h)
-    net = run(infogain(source=src), scores=np.array([[0.0, -800.0]]), label=np.array([0.0]))
+    net = forward_layer(infogain(source=src), scores=np.array([[0.0, -800.0]]),
+                        label=np.array([0.0]))
     assert float(net.blobs["loss"].data) == pytest.approx(-math.log(LOG_THRESHOLD), rel=1e-15)
     text = layer_net(infogain(source=src), {"scores": (1, 2), "label": (1,)})
     net32 = Net(text, phase=TEST)
@@ -264,41 +251,41 @@ def test_infogain_loss_h_wrong_size(tmp_path):
                                          r"'.*H3\.binaryproto' has shape \(1, 1, 3, 3\) \(9 "
                                          r"values\); bottom 'scores' \(2, 4\) has 4 classes "
                                          r"along axis 1, so H must be 4 x 4"):
-        run(infogain(source=src), scores=np.zeros((2, 4)), label=np.zeros(2))
+        forward_layer(infogain(source=src), scores=np.zeros((2, 4)), label=np.zeros(2))
     with pytest.raises(LayerError, match=r"bottom 'H' \(3, 3\) holds 9 values; bottom 'scores' "
                                          r"\(2, 3, 4\) has 4 classes along axis 2, so H must "
                                          "be 4 x 4"):
-        run(infogain(axis=-1, h_bottom=True), scores=np.zeros((2, 3, 4)),
-            label=np.zeros((2, 3)), H=np.eye(3))
+        forward_layer(infogain(axis=-1, h_bottom=True), scores=np.zeros((2, 3, 4)),
+                      label=np.zeros((2, 3)), H=np.eye(3))
 
 
 def test_infogain_loss_source_errors(tmp_path):
     with pytest.raises(LayerError, match="needs the infogain matrix H: set infogain_loss_param"):
-        run(infogain(), scores=np.zeros((2, 3)), label=np.zeros(2))
+        forward_layer(infogain(), scores=np.zeros((2, 3)), label=np.zeros(2))
     missing = tmp_path / "none.binaryproto"
     with pytest.raises(LayerError, match=r"infogain matrix: .*none\.binaryproto: cannot read"):
-        run(infogain(source=str(missing)), scores=np.zeros((2, 3)), label=np.zeros(2))
+        forward_layer(infogain(source=str(missing)), scores=np.zeros((2, 3)), label=np.zeros(2))
     junk = tmp_path / "junk.binaryproto"
     junk.write_bytes(b"\xff\xff\xff")
     with pytest.raises(LayerError, match=r"junk\.binaryproto: not a binary \.binaryproto"):
-        run(infogain(source=str(junk)), scores=np.zeros((2, 3)), label=np.zeros(2))
+        forward_layer(infogain(source=str(junk)), scores=np.zeros((2, 3)), label=np.zeros(2))
 
 
 def test_infogain_loss_parameter_and_label_errors(tmp_path):
     src = write_blob(tmp_path / "H.binaryproto", np.eye(3))
     with pytest.raises(LayerError, match="normalize is deprecated and refused by InfogainLoss"):
-        run(infogain("normalize: true", source=src), scores=np.zeros((2, 3)),
-            label=np.zeros(2))
+        forward_layer(infogain("normalize: true", source=src), scores=np.zeros((2, 3)),
+                      label=np.zeros(2))
     with pytest.raises(LayerError, match=r"'label' \(2, 2\) holds 4 labels.*needs 2 x 1 = 2"):
-        run(infogain(source=src), scores=np.zeros((2, 3)), label=np.zeros((2, 2)))
+        forward_layer(infogain(source=src), scores=np.zeros((2, 3)), label=np.zeros((2, 2)))
     with pytest.raises(LabelError, match=r"label value 3 .*outside \[0, 3\)"):
-        run(infogain(source=src), scores=np.zeros((2, 3)), label=np.array([3.0, 0.0]))
+        forward_layer(infogain(source=src), scores=np.zeros((2, 3)), label=np.array([3.0, 0.0]))
     with pytest.raises(LabelError, match="not the ignore_label 255"):
-        run(infogain("ignore_label: 255", source=src), scores=np.zeros((2, 3)),
-            label=np.array([255.0, -2.0]))
+        forward_layer(infogain("ignore_label: 255", source=src), scores=np.zeros((2, 3)),
+                      label=np.array([255.0, -2.0]))
     with pytest.raises(LayerError, match="needs 2-3 bottom blob"):
-        run('name: "info" type: "InfogainLoss" bottom: "scores" top: "loss"',
-            scores=np.zeros((2, 3)))
+        forward_layer('name: "info" type: "InfogainLoss" bottom: "scores" top: "loss"',
+                      scores=np.zeros((2, 3)))
 
 
 def test_infogain_loss_refuses_a_gradient_for_h():
@@ -383,7 +370,7 @@ def test_contrastive_loss_by_hand():
     a = np.zeros((3, 2))
     b = np.array([[3.0, 4.0], [0.3, 0.4], [0.6, 0.8]])
     y = np.array([1.0, 0.0, 0.0])
-    net = run(contrastive(), a=a, b=b, y=y)
+    net = forward_layer(contrastive(), a=a, b=b, y=y)
     assert float(net.blobs["loss"].data) == pytest.approx((25 + 0.25 + 0) / 3 / 2, rel=1e-15)
     net.backward()
     # Pair 1: -(1 - 0.5) / (0.5 + 1e-4) * (a - b) / 3; pair 2 sits on the margin: 0.
@@ -392,7 +379,7 @@ def test_contrastive_loss_by_hand():
     np.testing.assert_allclose(net.blobs["a"].diff, want, rtol=1e-14)
     np.testing.assert_allclose(net.blobs["b"].diff, -want, rtol=1e-14)
     # Legacy: the dissimilar term is max(margin - d^2, 0), not squared.
-    net = run(contrastive("legacy_version: true"), a=a, b=b, y=y)
+    net = forward_layer(contrastive("legacy_version: true"), a=a, b=b, y=y)
     assert float(net.blobs["loss"].data) == pytest.approx((25 + 0.75 + 0) / 3 / 2, rel=1e-15)
 
 
@@ -442,7 +429,7 @@ def test_contrastive_loss_gradient_and_value(param, margin, legacy, shape, extra
 def test_contrastive_loss_margin_is_a_float():
     # margin 0.3 is the float 0.30000001192...: Caffe's Dtype(margin) in a double net.
     a, b = np.zeros((1, 1)), np.full((1, 1), 0.1)
-    net = run(contrastive("margin: 0.3"), a=a, b=b, y=np.zeros(1))
+    net = forward_layer(contrastive("margin: 0.3"), a=a, b=b, y=np.zeros(1))
     m = float(np.float32(0.3))
     assert float(net.blobs["loss"].data) == (m - 0.1) ** 2 / 2
 
@@ -450,7 +437,7 @@ def test_contrastive_loss_margin_is_a_float():
 def test_contrastive_loss_coincident_dissimilar_pair_stays_finite():
     a = np.array([[1.0, 2.0], [0.0, 0.0]])
     b = np.array([[1.0, 2.0], [1e-7, 0.0]])
-    net = run(contrastive(), a=a, b=b, y=np.zeros(2))
+    net = forward_layer(contrastive(), a=a, b=b, y=np.zeros(2))
     assert float(net.blobs["loss"].data) == pytest.approx((1 + (1 - 1e-7) ** 2) / 4, rel=1e-14)
     net.backward()
     want = np.array([[0.0, 0.0], [-(1 - 1e-7) / (1e-7 + 1e-4) * -1e-7 / 2, 0.0]])
@@ -461,19 +448,20 @@ def test_contrastive_loss_coincident_dissimilar_pair_stays_finite():
 def test_contrastive_loss_shape_errors():
     with pytest.raises(LayerError, match=r"bottoms 'a' \(2, 3, 2, 1\) and 'b' \(2, 3, 2, 1\) "
                                          "must be feature pairs"):
-        run(contrastive(), a=np.zeros((2, 3, 2, 1)), b=np.zeros((2, 3, 2, 1)), y=np.zeros(2))
+        forward_layer(contrastive(), a=np.zeros((2, 3, 2, 1)), b=np.zeros((2, 3, 2, 1)),
+                      y=np.zeros(2))
     with pytest.raises(LayerError, match=r"'a' \(2, 3\) and 'b' \(2, 4\) must be feature pairs"):
-        run(contrastive(), a=np.zeros((2, 3)), b=np.zeros((2, 4)), y=np.zeros(2))
+        forward_layer(contrastive(), a=np.zeros((2, 3)), b=np.zeros((2, 4)), y=np.zeros(2))
     with pytest.raises(LayerError, match="same first dimension"):
-        run(contrastive(), a=np.zeros((2, 3)), b=np.zeros((3, 3)), y=np.zeros(2))
+        forward_layer(contrastive(), a=np.zeros((2, 3)), b=np.zeros((3, 3)), y=np.zeros(2))
     with pytest.raises(LayerError, match=r"'y' \(3,\) must hold one similarity per pair, "
                                          r"shaped \(2,\) or \(2, 1, 1, 1\)"):
-        run(contrastive(), a=np.zeros((2, 3)), b=np.zeros((2, 3)), y=np.zeros(3))
+        forward_layer(contrastive(), a=np.zeros((2, 3)), b=np.zeros((2, 3)), y=np.zeros(3))
     with pytest.raises(LayerError, match=r"'y' \(2, 2\) must hold one similarity"):
-        run(contrastive(), a=np.zeros((2, 3)), b=np.zeros((2, 3)), y=np.zeros((2, 2)))
+        forward_layer(contrastive(), a=np.zeros((2, 3)), b=np.zeros((2, 3)), y=np.zeros((2, 2)))
     with pytest.raises(LayerError, match="needs 3 bottom blob"):
-        run('name: "con" type: "ContrastiveLoss" bottom: "a" bottom: "b" top: "loss"',
-            a=np.zeros((2, 3)), b=np.zeros((2, 3)))
+        forward_layer('name: "con" type: "ContrastiveLoss" bottom: "a" bottom: "b" top: "loss"',
+                      a=np.zeros((2, 3)), b=np.zeros((2, 3)))
 
 
 def test_contrastive_loss_in_a_siamese_net():

@@ -1,5 +1,6 @@
-"""Test databases written with the lmdb package and caffe_pb2.Datum directly, and a plain
-per-element transcription of Caffe's DataTransformer::Transform loops as the reference."""
+"""Test databases written with the lmdb package and caffe_pb2.Datum directly, a plain
+per-element transcription of Caffe's DataTransformer::Transform loops as the reference, and
+data-layer nets with the batches they give."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import cv2
 import lmdb
 import numpy as np
 
+from purine.caffe import TRAIN, Net
 from purine.caffe import caffe_pb2 as pb
+from purine.caffe.net import NetBuilder
+from purine.caffe.prototxt import read_net
+from purine.runtime import Dispatcher
 
 
 def raw_datum(img: np.ndarray, label: int = 0) -> pb.Datum:
@@ -57,6 +62,47 @@ def write_mean(path: str | os.PathLike, mean: np.ndarray, legacy: bool = True) -
     with open(path, "wb") as f:
         f.write(blob.SerializeToString())
     return os.fspath(path)
+
+
+def data_layer(db, batch: int = 4, transform: str = "", tops=("data", "label"), extra: str = "",
+               backend: str | None = "LMDB") -> str:
+    """A Data layer over ``db``; backend None leaves data_param.backend unset."""
+    tops = " ".join(f'top: "{t}"' for t in tops)
+    b = f"backend: {backend}" if backend else ""
+    return (f'layer {{ name: "data" type: "Data" {tops} data_param {{ source: "{db}" {b} '
+            f"batch_size: {batch} {extra} }} transform_param {{ {transform} }} }}")
+
+
+def data_net(db, phase: int = TRAIN, seed: int = 0, dtype: str = "float32", **kw) -> Net:
+    return Net(data_layer(db, **kw), phase=phase, seed=seed, dtype=dtype)
+
+
+def batches(net: Net, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The (data, label) tops of ``n`` forward passes."""
+    out = []
+    for _ in range(n):
+        net.forward()
+        out.append((net.blobs["data"].data.copy(), net.blobs["label"].data.copy()))
+    return out
+
+
+def train_step(solver) -> tuple[np.ndarray, np.ndarray]:
+    """One solver iteration; the data and label it trained on."""
+    solver.step(1)
+    return solver.net.blobs["data"].data.copy(), solver.net.blobs["label"].data.copy()
+
+
+def replica_labels(text: str, r: int, n_replicas: int, n: int) -> list[list[int]]:
+    """The labels of ``n`` batches that replica ``r`` of ``n_replicas`` reads through the
+    data layer ``text``."""
+    b = NetBuilder(read_net(text), TRAIN, replica=(r, n_replicas))
+    d = Dispatcher(b.graph)
+    ops = [op for L in b.layers for op in L.forward_ops]
+    out = []
+    for _ in range(n):
+        d.run(ops)
+        out.append(d.array(b.data["label"]).astype(int).tolist())
+    return out
 
 
 def images(n: int, shape=(3, 8, 9), seed: int = 0) -> np.ndarray:

@@ -6,6 +6,7 @@ Datum, neither database)."""
 
 import logging
 import sys
+from functools import partial
 
 import cv2
 import numpy as np
@@ -16,16 +17,22 @@ from converters.compute_image_mean import compute_image_mean
 from converters.compute_image_mean import main as mean_main
 from converters.convert_imageset import convert_imageset
 from converters.convert_imageset import main as convert_main
-from purine.caffe import TEST, TRAIN, Net
-from purine.caffe.net import NetBuilder
-from purine.caffe.prototxt import read_net
+from purine.caffe import TEST, TRAIN
 from purine.caffe.solver import Solver
 from purine.data import DataError
 from purine.data.leveldb_source import LevelDBSource
 from purine.errors import LayerError, PurineError
-from purine.runtime import Dispatcher
 from tests.converters.helpers import Lines, make_imageset, read_lmdb
-from tests.data.helpers import images, match_transform, raw_datum, write_lmdb
+from tests.data import helpers
+from tests.data.helpers import (
+    batches,
+    images,
+    match_transform,
+    raw_datum,
+    replica_labels,
+    train_step,
+    write_lmdb,
+)
 
 
 def write_leveldb(path, records):
@@ -40,23 +47,9 @@ def write_leveldb(path, records):
     return str(path)
 
 
-def data_layer(db, batch=3, transform="", backend="LEVELDB", extra=""):
-    b = f"backend: {backend}" if backend else ""
-    return (f'layer {{ name: "data" type: "Data" top: "data" top: "label" data_param {{ '
-            f'source: "{db}" {b} batch_size: {batch} {extra} }} '
-            f"transform_param {{ {transform} }} }}")
-
-
-def data_net(db, phase=TRAIN, seed=0, dtype="float32", **kw):
-    return Net(data_layer(db, **kw), phase=phase, seed=seed, dtype=dtype)
-
-
-def batches(net, n):
-    out = []
-    for _ in range(n):
-        net.forward()
-        out.append((net.blobs["data"].data.copy(), net.blobs["label"].data.copy()))
-    return out
+# Data layers over a LevelDB unless told otherwise, three records a batch.
+data_layer = partial(helpers.data_layer, batch=3, backend="LEVELDB")
+data_net = partial(helpers.data_net, batch=3, backend="LEVELDB")
 
 
 @pytest.fixture
@@ -183,19 +176,8 @@ def test_replicas_and_rand_skip(tmp_path):
     path = write_leveldb(tmp_path / "db", [raw_datum(im, i) for i, im in
                                            enumerate(images(12, (1, 2, 2)))])
     text = data_layer(path, batch=2)
-
-    def labels(r, n_replicas, n):
-        b = NetBuilder(read_net(text), TRAIN, replica=(r, n_replicas))
-        d = Dispatcher(b.graph)
-        ops = [op for L in b.layers for op in L.forward_ops]
-        out = []
-        for _ in range(n):
-            d.run(ops)
-            out.append(d.array(b.data["label"]).astype(int).tolist())
-        return out
-
     # Replica r's batch k is database batch k*R + r, as over an LMDB.
-    assert [labels(r, 3, 2) for r in range(3)] == [[[0, 1], [6, 7]], [[2, 3], [8, 9]],
+    assert [replica_labels(text, r, 3, 2) for r in range(3)] == [[[0, 1], [6, 7]], [[2, 3], [8, 9]],
                                                    [[4, 5], [10, 11]]]
     skips = set()
     for seed in range(6):
@@ -227,22 +209,18 @@ def test_cursor_restores_on_a_fresh_source_and_from_a_solverstate(tmp_path):
         f'net: "{tmp_path}/net.prototxt"\nbase_lr: 0.1\nlr_policy: "fixed"\nmax_iter: 10\n'
         f'random_seed: 2\nsnapshot_prefix: "{tmp_path}/snap"\n')
 
-    def step(solver):
-        solver.step(1)
-        return solver.net.blobs["data"].data.copy(), solver.net.blobs["label"].data.copy()
-
     a = Solver(str(tmp_path / "solver.prototxt"))
     for _ in range(2):
-        step(a)
+        train_step(a)
     _, state = a.snapshot()
-    want = [step(a) for _ in range(3)]
+    want = [train_step(a) for _ in range(3)]
     weights = a.net.params["ip"][0].data.copy()
     del a  # LevelDB allows one opener: the resumed run opens it anew
 
     b = Solver(str(tmp_path / "solver.prototxt"))
     b.restore(state)
     assert b.net.builder.stateful["data/cursor"].state() == {"batch": 2}
-    for (data, label), (wd, wl) in zip([step(b) for _ in range(3)], want):
+    for (data, label), (wd, wl) in zip([train_step(b) for _ in range(3)], want):
         np.testing.assert_array_equal(data, wd)
         np.testing.assert_array_equal(label, wl)
     np.testing.assert_array_equal(b.net.params["ip"][0].data, weights)

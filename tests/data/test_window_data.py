@@ -10,7 +10,7 @@ import pytest
 from purine.caffe import TEST, TRAIN, Net
 from purine.data.window import c_round, read_window_file, warp_geometry
 from purine.errors import LayerError, PurineError
-from tests.data.helpers import write_mean
+from tests.data.helpers import batches, write_mean
 
 # image a: 30 x 40, image b: 20 x 25 (rows x cols)
 WINDOWS = """# 0
@@ -53,14 +53,6 @@ def window_net(root, batch=8, param="", transform="crop_size: 6", seed=0, phase=
       window_data_param {{ source: "{root}/{source}" root_folder: "{root}/" batch_size: {batch}
       fg_threshold: 0.5 bg_threshold: 0.3 {param} }}
       transform_param {{ {transform} }} }}''', phase=phase, seed=seed, dtype=dtype)
-
-
-def batches(net, n):
-    out = []
-    for _ in range(n):
-        net.forward()
-        out.append((net.blobs["data"].data.copy(), net.blobs["label"].data.copy()))
-    return out
 
 
 def warp(img, box, crop):

@@ -5,6 +5,7 @@ AbsVal, which Caffe forbids in place). A backward pass that needs the original b
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.layer import LayerBuild, register
@@ -19,6 +20,18 @@ def _neuron(L: LayerBuild) -> tuple[Blob, bool]:
     return L.bottom(0), L.param.top[0] == L.param.bottom[0]
 
 
+def _unary(L: LayerBuild, forward: Callable[..., None], backward: Callable[..., None],
+           x: Blob, outs: list[Blob], keep: list[Blob], **k) -> Callable[[], None]:
+    """Wire ``forward(x) -> outs``; returns the backward pass, which gives the bottom's
+    gradient as ``backward(*keep, top_diff)``. Both kernels take the parameters ``k``."""
+    L.forward(forward, [x], outs, **k)
+
+    def build_backward():
+        if L.needs_diff(0):
+            L.backward(backward, [*keep, L.top_diff(0)], [L.bottom_diff(0)], **k)
+    return build_backward
+
+
 @register("ReLU")
 def relu(L: LayerBuild):
     x, _ = _neuron(L)
@@ -28,13 +41,7 @@ def relu(L: LayerBuild):
     saved = L.saved(0) if slope < 0 else None
     y = L.top(0, x.shape)
     sign = y if saved is None else saved
-    L.forward(act.relu_forward, [x], [y], negative_slope=slope)
-
-    def backward():
-        if L.needs_diff(0):
-            L.backward(act.relu_backward, [sign, L.top_diff(0)], [L.bottom_diff(0)],
-                       negative_slope=slope)
-    return backward
+    return _unary(L, act.relu_forward, act.relu_backward, x, [y], [sign], negative_slope=slope)
 
 
 @register("PReLU")
@@ -66,24 +73,14 @@ def prelu(L: LayerBuild):
 def sigmoid(L: LayerBuild):
     x, _ = _neuron(L)
     y = L.top(0, x.shape)
-    L.forward(act.sigmoid_forward, [x], [y])
-
-    def backward():
-        if L.needs_diff(0):
-            L.backward(act.sigmoid_backward, [y, L.top_diff(0)], [L.bottom_diff(0)])
-    return backward
+    return _unary(L, act.sigmoid_forward, act.sigmoid_backward, x, [y], [y])
 
 
 @register("TanH")
 def tanh(L: LayerBuild):
     x, _ = _neuron(L)
     y = L.top(0, x.shape)
-    L.forward(act.tanh_forward, [x], [y])
-
-    def backward():
-        if L.needs_diff(0):
-            L.backward(act.tanh_backward, [y, L.top_diff(0)], [L.bottom_diff(0)])
-    return backward
+    return _unary(L, act.tanh_forward, act.tanh_backward, x, [y], [y])
 
 
 @register("ELU")
@@ -95,13 +92,7 @@ def elu(L: LayerBuild):
     saved = L.saved(0) if alpha < 0 else None
     y = L.top(0, x.shape)
     sign = y if saved is None else saved
-    L.forward(act.elu_forward, [x], [y], alpha=alpha)
-
-    def backward():
-        if L.needs_diff(0):
-            L.backward(act.elu_backward, [sign, y, L.top_diff(0)], [L.bottom_diff(0)],
-                       alpha=alpha)
-    return backward
+    return _unary(L, act.elu_forward, act.elu_backward, x, [y], [sign, y], alpha=alpha)
 
 
 @register("Swish")
@@ -112,13 +103,7 @@ def swish(L: LayerBuild):
     # sigmoid(beta x), kept for the backward pass: with the top it gives the gradient
     # without the bottom, so in place needs no copy (as in Caffe).
     s = L.scratch("sigmoid", x.shape)
-    L.forward(act.swish_forward, [x], [y, s], beta=beta)
-
-    def backward():
-        if L.needs_diff(0):
-            L.backward(act.swish_backward, [y, s, L.top_diff(0)], [L.bottom_diff(0)],
-                       beta=beta)
-    return backward
+    return _unary(L, act.swish_forward, act.swish_backward, x, [y, s], [y, s], beta=beta)
 
 
 @register("Clip")
@@ -134,12 +119,7 @@ def clip(L: LayerBuild):
     # always lies within the bounds; the copy keeps the mask right.
     src = L.saved(0)
     y = L.top(0, x.shape)
-    L.forward(act.clip_forward, [x], [y], **k)
-
-    def backward():
-        if L.needs_diff(0):
-            L.backward(act.clip_backward, [src, L.top_diff(0)], [L.bottom_diff(0)], **k)
-    return backward
+    return _unary(L, act.clip_forward, act.clip_backward, x, [y], [src], **k)
 
 
 @register("AbsVal")
@@ -148,12 +128,7 @@ def absval(L: LayerBuild):
     if in_place:
         raise L.error(f"does not allow in-place computation (top '{x.name}' is its bottom)")
     y = L.top(0, x.shape)
-    L.forward(act.absval_forward, [x], [y])
-
-    def backward():
-        if L.needs_diff(0):
-            L.backward(act.absval_backward, [x, L.top_diff(0)], [L.bottom_diff(0)])
-    return backward
+    return _unary(L, act.absval_forward, act.absval_backward, x, [y], [x])
 
 
 @register("BNLL")
@@ -161,12 +136,7 @@ def bnll(L: LayerBuild):
     x, _ = _neuron(L)
     src = L.saved(0)
     y = L.top(0, x.shape)
-    L.forward(act.bnll_forward, [x], [y])
-
-    def backward():
-        if L.needs_diff(0):
-            L.backward(act.bnll_backward, [src, L.top_diff(0)], [L.bottom_diff(0)])
-    return backward
+    return _unary(L, act.bnll_forward, act.bnll_backward, x, [y], [src])
 
 
 @register("Threshold")
@@ -248,12 +218,7 @@ def log(L: LayerBuild):
     k = dict(scale=p.scale, shift=p.shift, base_scale=1.0 / ln)
     src = L.saved(0)
     y = L.top(0, x.shape)
-    L.forward(act.log_forward, [x], [y], **k)
-
-    def backward():
-        if L.needs_diff(0):
-            L.backward(act.log_backward, [src, L.top_diff(0)], [L.bottom_diff(0)], **k)
-    return backward
+    return _unary(L, act.log_forward, act.log_backward, x, [y], [src], **k)
 
 
 @register("Dropout")

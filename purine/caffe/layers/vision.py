@@ -45,6 +45,20 @@ def _spatial_values(L: LayerBuild, p: pb.ConvolutionParameter, name: str, spatia
     return [repeated[0 if len(repeated) == 1 else i] for i in range(spatial)]
 
 
+def _conv_window(L: LayerBuild, p: pb.ConvolutionParameter, spatial: int
+                 ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Kernel size, stride, pad and dilation per spatial axis, as a convolution_param gives
+    them; all but the pad must be positive."""
+    kernel = _spatial_values(L, p, "kernel", spatial, -1)
+    stride = _spatial_values(L, p, "stride", spatial, 1)
+    pad = _spatial_values(L, p, "pad", spatial, 0)
+    dilation = _spatial_values(L, p, "dilation", spatial, 1)
+    for what, values in (("kernel size", kernel), ("stride", stride), ("dilation", dilation)):
+        if min(values) < 1:
+            raise L.error(f"{what} must be positive, got {values}")
+    return kernel, stride, pad, dilation
+
+
 def _conv_setup(L: LayerBuild, deconv: bool) -> tuple[conv.ConvGeometry, tuple[int, ...],
                                                          tuple[int, ...]]:
     """Check a (De)Convolution layer; returns the geometry of its convolution (for a
@@ -66,14 +80,7 @@ def _conv_setup(L: LayerBuild, deconv: bool) -> tuple[conv.ConvGeometry, tuple[i
     if spatial not in (1, 2):
         raise L.error(f"supports 1-d and 2-d convolution only; bottom '{x.name}' {x.shape} "
                       f"with channel axis {axis} has {spatial} spatial axes")
-    kernel = _spatial_values(L, p, "kernel", spatial, -1)
-    stride = _spatial_values(L, p, "stride", spatial, 1)
-    pad = _spatial_values(L, p, "pad", spatial, 0)
-    dilation = _spatial_values(L, p, "dilation", spatial, 1)
-    for what, values, low in (("kernel size", kernel, 1), ("stride", stride, 1),
-                              ("dilation", dilation, 1)):
-        if min(values) < low:
-            raise L.error(f"{what} must be positive, got {values}")
+    kernel, stride, pad, dilation = _conv_window(L, p, spatial)
     channels, n = x.shape[axis], p.num_output
     if n <= 0:
         raise L.error("convolution_param.num_output must be positive")
@@ -338,14 +345,7 @@ def im2col_layer(L: LayerBuild):
     if spatial < 1:
         raise L.error(f"bottom '{x.name}' {x.shape} has no spatial axis after its channel "
                       f"axis {axis}")
-    kernel = _spatial_values(L, p, "kernel", spatial, -1)
-    stride = _spatial_values(L, p, "stride", spatial, 1)
-    pad = _spatial_values(L, p, "pad", spatial, 0)
-    dilation = _spatial_values(L, p, "dilation", spatial, 1)
-    for what, values in (("kernel size", kernel), ("stride", stride),
-                         ("dilation", dilation)):
-        if min(values) < 1:
-            raise L.error(f"{what} must be positive, got {values}")
+    kernel, stride, pad, dilation = _conv_window(L, p, spatial)
     geom = im2col.Im2colGeometry(
         num=math.prod(x.shape[:axis]), channels=x.shape[axis], size=x.shape[axis + 1:],
         kernel=tuple(kernel), stride=tuple(stride), pad=tuple(pad), dilation=tuple(dilation))
