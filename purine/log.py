@@ -22,10 +22,23 @@ class GlogFormatter(logging.Formatter):
         return prefix + record.getMessage()
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of each line (a script or test that
+    swaps it, and closes the old one, keeps getting our lines)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def get_logger() -> logging.Logger:
     log = logging.getLogger("purine")
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr()
         handler.setFormatter(GlogFormatter())
         log.addHandler(handler)
         log.setLevel(logging.INFO)
