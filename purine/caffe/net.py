@@ -18,11 +18,41 @@ from purine.caffe.layer import BUILDERS, LayerBuild, LegacyAxes, Stateful, kerne
 from purine.caffe.prototxt import filter_net, insert_splits, read_net
 from purine.errors import LayerError, PurineError
 from purine.graph import CPU, Blob, Graph, Location, Op
+from purine.log import get_logger
 from purine.ops import tensor
 from purine.runtime import Dispatcher
 
 TRAIN, TEST = pb.TRAIN, pb.TEST
 _PHASES = {"TRAIN": TRAIN, "TEST": TEST, TRAIN: TRAIN, TEST: TEST}
+
+
+class DebugInfo:
+    """Caffe's debug_info: after each layer's forward pass the mean absolute value of its tops
+    and parameters, after its backward pass that of its bottoms' and parameters' gradients,
+    then the L1 and L2 norms of all parameters. The lines come from ops of their own in the
+    graph; ``on`` switches them (a solver turns them on for its display iterations only, as
+    Caffe's does)."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+
+def _log_mean_abs(*arrays: Any, lines: Sequence[str], switch: DebugInfo) -> None:
+    if switch.on:
+        log = get_logger()
+        for line, a in zip(lines, arrays, strict=True):
+            log.info("    %s %g", line, float(abs(a).sum()) / a.size)
+
+
+def _log_norms(*arrays: Any, switch: DebugInfo) -> None:
+    """Arrays: every parameter's data, then every parameter's gradient."""
+    if switch.on:
+        half = len(arrays) // 2
+        l1 = [sum(float(abs(a).sum()) for a in part) for part in (arrays[:half], arrays[half:])]
+        l2 = [sum(float((a * a).sum()) for a in part) ** 0.5
+              for part in (arrays[:half], arrays[half:])]
+        get_logger().error("    [Backward] All net params (data, diff): L1 norm = (%g, %g); "
+                           "L2 norm = (%g, %g)", *l1, *l2)
 
 
 class NetBuilder:
@@ -57,9 +87,8 @@ class NetBuilder:
         self._n_ops = 0
         self.stateful: dict[str, Stateful] = {}  # run-time state snapshots must keep
 
-        if param.debug_info:
-            raise PurineError(f"net '{param.name}': debug_info: true is not supported (Caffe's "
-                              "per-layer data/diff norms); remove it or set it false")
+        # Replicas of a data-parallel net print nothing, as Caffe's non-root solvers.
+        self.debug = DebugInfo(True) if param.debug_info and replica[0] == 0 else None
         state = pb.NetState()
         state.CopyFrom(param.state)
         state.phase, state.level = phase, level
@@ -173,6 +202,8 @@ class NetBuilder:
                 raise LayerError(lp.name, lp.type, "a layer name used twice, here by a layer "
                                  "with parameters; parameters are named after their layer "
                                  "(in .caffemodel files too): give this layer its own name")
+            if self.debug:
+                self._debug_forward(L)
             if len(L.tops) != len(lp.top):
                 raise L.error(f"declares {len(lp.top)} tops, the layer makes {len(L.tops)}")
             if len(L.loss_weights) > len(L.tops):
@@ -201,11 +232,44 @@ class NetBuilder:
                         L.backward_ops.append(self.graph.op(
                             f"{L.name}/CopyOut#{i}", "Copy", [grad], [target],
                             kernel(tensor.copy), target.location))
+                if self.debug:
+                    self._debug_backward(L)
             elif L.save_ops:  # nothing will read the copies taken for backward
                 self.graph.remove_ops(L.save_ops)
                 L.forward_ops = [op for op in L.forward_ops if op not in L.save_ops]
         self._sum_shared_diffs()
+        if self.debug and self.layers and any(L.backward_ops for L in self.layers):
+            params = self.learnable_params
+            grads = [self.param_grad(w) for w in params]
+            if all(self.graph.writers(g) for g in grads):
+                first = self.layers[0]  # its backward ops run last
+                first.backward_ops.append(self.graph.op(
+                    f"{first.name}/DebugInfoNorms", "DebugInfo", params + grads, [],
+                    kernel(_log_norms, switch=self.debug), first.location))
         self.graph.validate()
+
+    def _debug_forward(self, L: LayerBuild) -> None:
+        specs = L.param.param
+        names = [specs[k].name if k < len(specs) and specs[k].name else str(k)
+                 for k in range(len(L.params))]
+        lines = ([f"[Forward] Layer {L.param.name}, top blob {t} data:" for t in L.param.top]
+                 + [f"[Forward] Layer {L.param.name}, param blob {n} data:" for n in names])
+        L.forward(_log_mean_abs, L.tops + L.params, [], op_type="DebugInfo", lines=lines,
+                  switch=self.debug)
+
+    def _debug_backward(self, L: LayerBuild) -> None:
+        blobs, lines = [], []
+        for j, b in enumerate(L.param.bottom):
+            if L.bottom_need[j] and self.graph.writers(self.diff(b)):
+                blobs.append(self.diff(b))
+                lines.append(f"[Backward] Layer {L.param.name}, bottom blob {b} diff:")
+        for k in range(len(L.params)):
+            if L.param_need[k] and self.graph.writers(L.param_diff(k)):
+                blobs.append(L.param_diff(k))
+                lines.append(f"[Backward] Layer {L.param.name}, param blob {k} diff:")
+        if blobs:
+            L.backward(_log_mean_abs, blobs, [], op_type="DebugInfo", lines=lines,
+                       switch=self.debug)
 
     def _need_backward(self) -> None:
         """Caffe's analysis of which layers and bottoms need a gradient."""

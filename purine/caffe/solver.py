@@ -137,6 +137,11 @@ class Solver:
         seed = p.random_seed if p.random_seed >= 0 else int.from_bytes(os.urandom(4), "little")
         self.seed = seed
         train_param, test_params = self._net_params(base)
+        # Caffe sets the train net's debug_info to the solver's at every step (on display
+        # iterations only), whatever the net's own field says.
+        train_param, generic = pb.NetParameter(), train_param  # test nets may share it
+        train_param.CopyFrom(generic)
+        train_param.debug_info = p.debug_info
         self._check_settings(writes=comm is None or comm.size <= 1 or comm.rank == 0)
 
         def state(s: pb.NetState) -> tuple[int, list[str]]:
@@ -208,9 +213,6 @@ class Solver:
         if p.snapshot_diff:
             raise self._refuse("snapshot_diff", "true is not supported: snapshots hold the "
                                "parameters' data, not their diffs; remove it or set false")
-        if p.debug_info:
-            raise self._refuse("debug_info", "true is not supported (per-layer data and diff "
-                               "norms); remove it (train --trace profiles every op)")
         if p.average_loss < 1:
             raise self._refuse("average_loss", f"must be at least 1, got {p.average_loss}")
         if p.stepvalue and p.lr_policy != "multistep":
@@ -486,6 +488,8 @@ class Solver:
                     self.iter > 0 or p.test_initialization):
                 self.test_all()
             display = p.display and self.iter % p.display == 0
+            if self.net.builder.debug:
+                self.net.builder.debug.on = bool(display)
             if self.trace_path:
                 loss = self.trace_iteration(self.trace_path)
                 self.trace_path = None
