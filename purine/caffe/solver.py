@@ -215,12 +215,12 @@ class Solver:
                                "parameters' data, not their diffs; remove it or set false")
         if p.average_loss < 1:
             raise self._refuse("average_loss", f"must be at least 1, got {p.average_loss}")
-        if p.stepvalue and p.lr_policy != "multistep":
-            raise self._refuse("stepvalue", f"only lr_policy \"multistep\" reads it, this "
-                               f"solver's is \"{p.lr_policy}\"; remove stepvalue or use "
-                               "multistep")
+        if p.stepvalue and p.lr_policy != "multistep":  # Caffe ignores them: so do we
+            self.log.warning("solver %s: stepvalue is read only by lr_policy \"multistep\"; "
+                             "this solver's is \"%s\", so it is ignored", self._where(),
+                             p.lr_policy)
         steps = list(p.stepvalue)
-        if any(b <= a for a, b in zip(steps, steps[1:])):
+        if p.lr_policy == "multistep" and any(b <= a for a, b in zip(steps, steps[1:])):
             # Caffe passes at most one step value per iteration, so out of order or repeated
             # values would change the rate at other iterations than they name.
             raise self._refuse("stepvalue", "values must increase strictly, got "

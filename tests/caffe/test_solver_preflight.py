@@ -43,9 +43,6 @@ REFUSED = {
                       r"snapshot_diff: true is not supported: snapshots hold the parameters' "
                       r"data"),
     "average_loss": (dict(average_loss=0), r"average_loss: must be at least 1, got 0"),
-    "stepvalue_without_multistep": (
-        dict(lr_policy='"step"', stepsize=2, gamma=0.1, stepvalue=3),
-        r'stepvalue: only lr_policy "multistep" reads it, this solver\'s is "step"'),
     "stepvalue_not_increasing": (
         dict(lr_policy='"multistep"', gamma=0.1, stepvalue="3\nstepvalue: 3"),
         r"stepvalue: values must increase strictly, got 3, 3"),
@@ -171,3 +168,15 @@ def test_layer_wise_reduce_either_way_trains_the_same(tmp_path):
         runs.append(s.net.params["ip"][0].data.copy())
     assert np.array_equal(runs[0], runs[1])
     assert not np.array_equal(runs[0], Solver(write_solver(tmp_path)).net.params["ip"][0].data)
+
+
+def test_stepvalue_without_multistep_is_ignored_with_a_warning(tmp_path, log_lines):
+    """As Caffe: only multistep reads stepvalue; the step policy's rates are unchanged."""
+    path = write_solver(tmp_path, lr_policy='"step"', stepsize=2, gamma=0.1,
+                        stepvalue="1\nstepvalue: 1")
+    s = Solver(path)
+    assert any('stepvalue is read only by lr_policy "multistep"; this solver\'s is "step", so '
+               "it is ignored" in line for line in log_lines)
+    s.step(3)
+    assert [line for line in log_lines if line.startswith("Iteration 2, lr")] == [
+        "Iteration 2, lr = 0.005"]
