@@ -293,13 +293,13 @@ def _selected_first(selector: Array) -> tuple[Array, Array]:
 def filter_forward(*arrays: Array, bottoms: int) -> None:
     """``x_1..x_K, selector, y_1..y_K``: each y holds its x's selected items, in order. The
     tops' first axis was fixed when the net was built; a selector that selects another
-    number of items is an error on the host, and turns the tops to NaN on a GPU (where
-    reading the count back would stall the stream)."""
+    number of items is an error (on a GPU too: the count is read back once per forward,
+    since wrong tops would poison the loss silently)."""
     xs, selector, ys = arrays[:bottoms], arrays[bottoms], arrays[bottoms + 1:]
     xp = get_array_module(selector)
     order, count = _selected_first(selector)
     rows = ys[0].shape[0]
-    if xp is np and int(count) != rows:
+    if int(count) != rows:
         raise PurineError(
             f"Filter selector {tuple(selector.shape)} selects {int(count)} of "
             f"{selector.shape[0]} items, but the tops were built with {rows}: blob shapes are "
@@ -307,8 +307,6 @@ def filter_forward(*arrays: Array, bottoms: int) -> None:
     keep = order[:rows]
     for x, y in zip(xs, ys, strict=True):
         xp.take(x, keep, axis=0, out=y)
-        if xp is not np:
-            xp.copyto(y, xp.nan, where=count != rows)
 
 
 def filter_backward(selector: Array, dy: Array, dx: Array) -> None:

@@ -748,7 +748,7 @@ def device_branch(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(scatter_add=np.add.at))
 
 
-def test_filter_device_branch_gathers_and_turns_a_wrong_count_into_nan(device_branch):
+def test_filter_device_branch_gathers_and_refuses_a_wrong_count(device_branch):
     rng = np.random.default_rng(4)
     x, x2, sel = rng.standard_normal((6, 3, 2)), rng.standard_normal(6), _selector(rng, "f8")
     keep = [0, 2, 4, 5]  # the nonzero selector values, NaN included, in order
@@ -761,11 +761,11 @@ def test_filter_device_branch_gathers_and_turns_a_wrong_count_into_nan(device_br
     want = np.zeros((6, 3, 2))
     want[keep] = dy
     np.testing.assert_array_equal(dx, want)
-    # where the host raises (the tops were built for 4 items), the device writes NaN
+    # the tops were built for 4 items: another count is an error on the device too
     for rows in (3, 5):
-        y = np.zeros((rows, 3, 2))
-        arr.filter_forward(x, sel, y, bottoms=1)
-        assert np.isnan(y).all(), rows
+        with pytest.raises(PurineError, match=f"selects 4 of 6 items, but the tops were built "
+                                              f"with {rows}"):
+            arr.filter_forward(x, sel, np.zeros((rows, 3, 2)), bottoms=1)
 
 
 def test_filter_wrong_count_is_an_error_on_the_host():
