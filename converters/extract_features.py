@@ -74,43 +74,44 @@ def extract_features(weights: str | os.PathLike, model: str | os.PathLike,
                                "(Caffe's tools never write into an existing database)")
     location = _location(mode, device_id)
     log.info("Using %s", "CPU" if location.device == "cpu" else f"GPU {device_id}")
-    net = Net(model, phase=TEST, location=location)
-    net.copy_from(weights)
-    for name in blobs:
-        if name not in net.blobs:
-            raise ConvertError(f"Unknown feature blob name '{name}' in the network "
-                               f"{os.fspath(model)}")
-    dims = {name: _legacy_dims(name, net.blobs[name].shape) for name in blobs}
+    # Closed on the way out, an error's too: the input database is free again at once.
+    with Net(model, phase=TEST, location=location) as net:
+        net.copy_from(weights)
+        for name in blobs:
+            if name not in net.blobs:
+                raise ConvertError(f"Unknown feature blob name '{name}' in the network "
+                                   f"{os.fspath(model)}")
+        dims = {name: _legacy_dims(name, net.blobs[name].shape) for name in blobs}
 
-    writers: list[DBWriter] = []
-    try:
-        for d in dbs:
-            log.info("Opening dataset %s", d)
-            writers.append(DBWriter(d, backend, log))
-        log.info("Extracting Features")
-        counts = [0] * len(blobs)
-        for _ in range(num_batches):
-            net.forward()
+        writers: list[DBWriter] = []
+        try:
+            for d in dbs:
+                log.info("Opening dataset %s", d)
+                writers.append(DBWriter(d, backend, log))
+            log.info("Extracting Features")
+            counts = [0] * len(blobs)
+            for _ in range(num_batches):
+                net.forward()
+                for i, name in enumerate(blobs):
+                    n, c, h, w = dims[name]
+                    values = to_host(net.blobs[name].data).astype(np.float32).reshape(n, -1)
+                    for row in values:
+                        datum = pb.Datum(channels=c, height=h, width=w)
+                        datum.float_data.extend(row.tolist())
+                        writers[i].put(f"{counts[i]:010d}", datum)
+                        counts[i] += 1
+                        if counts[i] % COMMIT_EVERY == 0:
+                            writers[i].commit()
+                            log.info("Extracted features of %d query images for feature blob %s",
+                                     counts[i], name)
             for i, name in enumerate(blobs):
-                n, c, h, w = dims[name]
-                values = to_host(net.blobs[name].data).astype(np.float32).reshape(n, -1)
-                for row in values:
-                    datum = pb.Datum(channels=c, height=h, width=w)
-                    datum.float_data.extend(row.tolist())
-                    writers[i].put(f"{counts[i]:010d}", datum)
-                    counts[i] += 1
-                    if counts[i] % COMMIT_EVERY == 0:
-                        writers[i].commit()
-                        log.info("Extracted features of %d query images for feature blob %s",
-                                 counts[i], name)
-        for i, name in enumerate(blobs):
-            writers[i].close()
-            log.info("Extracted features of %d query images for feature blob %s", counts[i],
-                     name)
-    except BaseException:
-        for wr in writers:
-            wr.abort()
-        raise
+                writers[i].close()
+                log.info("Extracted features of %d query images for feature blob %s", counts[i],
+                         name)
+        except BaseException:
+            for wr in writers:
+                wr.abort()
+            raise
     log.info("Successfully extracted the features!")
     return counts[0] if counts else 0
 

@@ -35,27 +35,27 @@ def cmd_time(args: argparse.Namespace) -> int:
         model, placement = split.net, split.placement
         log.info("Placement %s: %d layers placed, %d split into towers", args.placement,
                  len(placement), len(split.towers))
-    net = Net(model, phase=TRAIN, level=args.level, stages=_stages(args.stage),
-              threads=args.threads, placement=placement, location=_location(gpus))
-    log.info("Performing Forward")
-    net.forward()
-    log.info("Initial loss: %g", net.loss)
-    log.info("Performing Backward")
-    net.backward()
-    log.info("*** Benchmark begins ***")
-    log.info("Testing for %d iterations.", args.iterations)
-    t0 = time.perf_counter()
-    t = time_net(net, args.iterations, log)
-    total = (time.perf_counter() - t0) * 1e3
-    log.info("Average time per layer: ")
-    for name, f, b in t.layers:
-        log.info("%10s\tforward: %g ms.", name, f)
-        log.info("%10s\tbackward: %g ms.", name, b)
-    log.info("Average Forward pass: %g ms.", t.forward_ms)
-    log.info("Average Backward pass: %g ms.", t.backward_ms)
-    log.info("Average Forward-Backward: %g ms.", t.forward_ms + t.backward_ms)
-    log.info("Total Time: %g ms.", total)
-    log.info("*** Benchmark ends ***")
+    with Net(model, phase=TRAIN, level=args.level, stages=_stages(args.stage),
+             threads=args.threads, placement=placement, location=_location(gpus)) as net:
+        log.info("Performing Forward")
+        net.forward()
+        log.info("Initial loss: %g", net.loss)
+        log.info("Performing Backward")
+        net.backward()
+        log.info("*** Benchmark begins ***")
+        log.info("Testing for %d iterations.", args.iterations)
+        t0 = time.perf_counter()
+        t = time_net(net, args.iterations, log)
+        total = (time.perf_counter() - t0) * 1e3
+        log.info("Average time per layer: ")
+        for name, f, b in t.layers:
+            log.info("%10s\tforward: %g ms.", name, f)
+            log.info("%10s\tbackward: %g ms.", name, b)
+        log.info("Average Forward pass: %g ms.", t.forward_ms)
+        log.info("Average Backward pass: %g ms.", t.backward_ms)
+        log.info("Average Forward-Backward: %g ms.", t.forward_ms + t.backward_ms)
+        log.info("Total Time: %g ms.", total)
+        log.info("*** Benchmark ends ***")
     return 0
 
 
@@ -170,16 +170,17 @@ def _train(args: argparse.Namespace, comm) -> int:
         solver = Solver(param, path=args.solver, threads=args.threads, log=log,
                         replicas=replicas, comm=comm, replica_locations=others,
                         location=_location(gpus), share_memory=args.share_memory)
-    if args.trace and args.staleness is not None:  # async: trace one push up front
-        if args.snapshot:
-            solver.restore(args.snapshot)
-            args.snapshot = None
-        solver.trace_iteration(args.trace)
-    elif args.trace:
-        solver.trace_path = args.trace  # the first iteration the solve runs
-    with SignalHandler(args.sigint_effect, args.sighup_effect) as signals:
-        solver.requested = signals
-        solver.solve(resume=args.snapshot)
+    with solver:  # closed on the way out, an error's too: its databases are free again
+        if args.trace and args.staleness is not None:  # async: trace one push up front
+            if args.snapshot:
+                solver.restore(args.snapshot)
+                args.snapshot = None
+            solver.trace_iteration(args.trace)
+        elif args.trace:
+            solver.trace_path = args.trace  # the first iteration the solve runs
+        with SignalHandler(args.sigint_effect, args.sighup_effect) as signals:
+            solver.requested = signals
+            solver.solve(resume=args.snapshot)
     return 0
 
 
@@ -191,32 +192,32 @@ def cmd_test(args: argparse.Namespace) -> int:
 
     log = get_logger()
     gpus = _gpus(args)
-    net = Net(args.model, phase=TEST, level=args.level or 0, stages=_stages(args.stage),
-              location=_location(gpus))
-    if args.weights:
-        net.copy_from(args.weights)
-    else:
-        log.warning("no --weights given: testing the net's initial weights")
-    log.info("Running for %d iterations.", args.iterations)
-    weights = dict(net.builder.loss_tops)
-    sums: dict[str, np.ndarray] = {}
-    loss = 0.0
-    for i in range(args.iterations):
-        out = net.forward()
-        loss += net.loss
-        for name, v in out.items():
-            v = to_host(v).astype(np.float64).ravel()
-            sums[name] = sums.get(name, 0) + v
-            for k, x in enumerate(v):
-                label = name if v.size == 1 else f"{name}[{k}]"
-                log.info("Batch %d, %s = %g", i, label, x)
-    n = max(1, args.iterations)
-    log.info("Loss: %g", loss / n)
-    for name, total in sums.items():
-        w = weights.get(net.builder.data[name], 0.0)
-        for x in total / n:
-            extra = f" (* {w:g} = {w * x:g} loss)" if w else ""
-            log.info("%s = %g%s", name, x, extra)
+    with Net(args.model, phase=TEST, level=args.level or 0, stages=_stages(args.stage),
+             location=_location(gpus)) as net:
+        if args.weights:
+            net.copy_from(args.weights)
+        else:
+            log.warning("no --weights given: testing the net's initial weights")
+        log.info("Running for %d iterations.", args.iterations)
+        weights = dict(net.builder.loss_tops)
+        sums: dict[str, np.ndarray] = {}
+        loss = 0.0
+        for i in range(args.iterations):
+            out = net.forward()
+            loss += net.loss
+            for name, v in out.items():
+                v = to_host(v).astype(np.float64).ravel()
+                sums[name] = sums.get(name, 0) + v
+                for k, x in enumerate(v):
+                    label = name if v.size == 1 else f"{name}[{k}]"
+                    log.info("Batch %d, %s = %g", i, label, x)
+        n = max(1, args.iterations)
+        log.info("Loss: %g", loss / n)
+        for name, total in sums.items():
+            w = weights.get(net.builder.data[name], 0.0)
+            for x in total / n:
+                extra = f" (* {w:g} = {w * x:g} loss)" if w else ""
+                log.info("%s = %g%s", name, x, extra)
     return 0
 
 

@@ -44,6 +44,7 @@ def run_demo(workdir: str, *, max_iter: int = 1000, test_images: int = 1000,
     solver.snapshot = 0
     solver.snapshot_prefix = os.path.join(workdir, "lenet")
     solver.random_seed = 1  # the same run, and the same accuracy, every time
-    s = Solver(solver, path=os.path.join(workdir, "lenet_solver.prototxt"), threads=threads)
-    s.solve()
+    with Solver(solver, path=os.path.join(workdir, "lenet_solver.prototxt"),
+                threads=threads) as s:
+        s.solve()
     return {k: float(v) for k, v in s.last_test[0].items()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -86,6 +86,9 @@ class NetBuilder:
         self._use_diffs: dict[tuple[str, int], Blob] = {}
         self._n_ops = 0
         self.stateful: dict[str, Stateful] = {}  # run-time state snapshots must keep
+        # A blob's array, once a dispatcher runs this graph (the Net sets it): stateful
+        # objects whose state lives in blobs (a recurrent layer's carried state) read it here.
+        self.storage: Callable[[Blob], Any] | None = None
 
         # Replicas of a data-parallel net print nothing, as Caffe's non-root solvers.
         self.debug = DebugInfo(True) if param.debug_info and replica[0] == 0 else None
@@ -95,7 +98,11 @@ class NetBuilder:
         state.stage.extend(s for s in stages if s not in state.stage)
         self.param = insert_splits(filter_net(param, state))
         self.force_backward = param.force_backward
-        self._build()
+        try:
+            self._build()
+        except BaseException:
+            close_all(self.stateful.values())  # the data layers built so far
+            raise
 
     # -- services for LayerBuild -------------------------------------------------------
     def add_op(self, layer: LayerBuild, op_type: str, inputs: Iterable[Blob],
@@ -386,6 +393,7 @@ class Net:
         self._input_shapes: dict[str, tuple[int, ...]] = {}
         self._shared_with: Net | None = None
         self.solver_owned = False
+        self.closed = False
         self._build()
         if weights is not None:
             self.copy_from(weights)
@@ -397,6 +405,7 @@ class Net:
                        location=self.location)
         self.builder, self.graph = b, b.graph
         self.dispatcher = Dispatcher(self.graph)
+        b.storage = self.dispatcher.array
         for blob, value in b.initial.items():
             assign(self.dispatcher.array(blob), value)
         self.layer_names = [L.param.name for L in b.layers]
@@ -418,6 +427,28 @@ class Net:
         self._backward_ops = b.seed_ops + [op for L in reversed(b.layers)
                                            for op in L.backward_ops]
 
+    # -- releasing ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the data layers' prefetch threads, wait for them, and release their sources
+        (an LMDB environment, a LevelDB handle): the databases are free for other openers
+        when this returns. Closing twice does nothing; running the net after it is an
+        error. ``with Net(...) as net:`` closes on leaving the block."""
+        if not self.closed:
+            self.closed = True
+            self.dispatcher.close()  # its worker threads, when it runs ops on several
+            close_all(self.builder.stateful.values())
+
+    def __enter__(self) -> Net:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise PurineError(f"net '{self.model.name}' is closed: its data sources are "
+                              "released; build a new net to run it again")
+
     # -- running -----------------------------------------------------------------------
     def _layer_range(self, start: str | None, end: str | None) -> list[LayerBuild]:
         names = self.layer_names
@@ -432,6 +463,7 @@ class Net:
                 end: str | None = None, **inputs: np.ndarray) -> dict[str, np.ndarray]:
         """Run the forward ops (of layers ``start``..``end``) after copying ``inputs`` into
         their blobs; returns the output blobs (and ``blobs``) by name."""
+        self._check_open()
         for name, value in inputs.items():
             if name not in self.blobs:
                 raise PurineError(f"forward: net has no blob '{name}'")
@@ -455,6 +487,7 @@ class Net:
     def backward(self, diffs: Sequence[str] | None = None, start: str | None = None,
                  end: str | None = None, **top_diffs: np.ndarray) -> dict[str, np.ndarray]:
         """Run the backward ops; returns the input blobs' diffs (and ``diffs``) by name."""
+        self._check_open()
         given = set()
         for name, value in top_diffs.items():
             assign(self.blobs[name].diff, value)
@@ -490,8 +523,11 @@ class Net:
                               "use its blobs: reshape a net of your own instead")
         params = {p.name: self.dispatcher.array(p).copy() for ps in self.builder.layers
                   for p in ps.params}
+        self._check_open()
         states = {k: obj.state() for k, obj in self.builder.stateful.items()}
+        old = self.builder.stateful.values()
         self._build()
+        close_all(old)  # the new data layers opened their sources anew
         for k, state in states.items():  # data cursors and random streams go on
             if k in self.builder.stateful:
                 self.builder.stateful[k].restore(state)
@@ -581,27 +617,49 @@ class Net:
         return self.builder._param_uses[blob][0][0].name == layer
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the parameters as a .caffemodel (temporary file, then rename)."""
-        from purine.caffe.caffemodel import save_net
+        """Write the parameters as a .caffemodel (temporary file, then rename): every layer
+        with its own blobs, as Caffe's ToProto; a layer repeating a name has none."""
+        from purine.caffe.caffemodel import atomic_write, net_chunks
 
-        params = {name: [to_host(v.data) for v in views]
-                  for name, views in self.params.items()}
-        layers = [L.param for L in self.builder.layers if L.type != "Split"]
-        save_net(self.model.name, layers, params, path)
+        # Layer by layer: a map by Caffe name would hand a repeat its namesake's blobs.
+        chunks = net_chunks(self.model.name, [], {})
+        for L in self.builder.layers:
+            if L.type != "Split":  # the net's own layers only
+                arrays = [to_host(v.data) for v in self.params.get(L.name, [])]
+                chunks += net_chunks("", [L.param], {L.param.name: arrays})
+        atomic_write(path, chunks)
 
     def save_hdf5(self, path: str | os.PathLike) -> None:
         """Write the parameters as a .caffemodel.h5 in Caffe's layout (a group per layer
-        under ``data``; a shared blob is written by its owner only). Needs h5py."""
+        name under ``data``; a shared blob is written by its owner only). Needs h5py."""
         from purine.caffe.hdf5_snapshot import write_weights
 
         layers = []
         for L in self.builder.layers:
-            if L.type == "Split":  # as in save(): the net's own layers only
+            # As in save(): the net's own layers only. A layer repeating a name (built as
+            # "name#i") has no parameters, and its namesake's group stands for the name.
+            if L.type == "Split" or L.name != L.param.name:
                 continue
             views = self.params.get(L.name, [])
-            layers.append((L.name, [to_host(v.data) if self._owns(L.name, k) else None
-                                    for k, v in enumerate(views)]))
+            layers.append((L.param.name, [to_host(v.data) if self._owns(L.name, k) else None
+                                          for k, v in enumerate(views)]))
         write_weights(path, layers)
+
+
+def close_all(objects: Iterable[Any]) -> None:
+    """``close()`` each object that has one (data cursors: prefetchers and their sources),
+    all of them even when one fails; then raise the first failure."""
+    first: BaseException | None = None
+    for obj in list(objects):
+        close = getattr(obj, "close", None)
+        if close is None:
+            continue
+        try:
+            close()
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first
 
 
 def _legacy_shape_match(a: tuple[int, ...], b: tuple[int, ...]) -> bool:

@@ -27,7 +27,7 @@ from purine.caffe import caffe_pb2 as pb
 from purine.caffe.caffemodel import Chunks, atomic_write, blob_chunks, blob_to_array, nested_field
 from purine.caffe.hdf5_snapshot import INSTALL_HINT, SolverStateH5, have_h5py, read_private
 from purine.caffe.layer import kernel
-from purine.caffe.net import TEST, TRAIN, Net
+from purine.caffe.net import TEST, TRAIN, Net, close_all
 from purine.caffe.prototxt import parse_text, read_message, read_net
 from purine.caffe.upgrade import upgrade_solver
 from purine.caffe.wire import len_field, length_fields
@@ -162,41 +162,70 @@ class Solver:
         if self.mpi and location.device != "cpu":
             raise PurineError("training on GPUs across MPI ranks is not supported; run one "
                               "process with --gpu 0,1,... (NCCL) or MPI ranks on CPUs")
-        self.net = Net(train_param, phase=TRAIN, level=lv, stages=st, seed=seed + first,
-                       threads=threads, replica=(first, total), location=location)
-        self.net.solver_owned = True  # its blobs feed the update ops: no reshape
-        self._check_regularization()
-        self.trace_path: str | None = None  # write a Chrome trace of the next iteration
-        self.replicas = None
-        if replicas > 1:  # data parallelism: the other replicas join the net's graph
-            from purine.parallel import replicate
-
-            self.replicas = replicate(self.net, train_param, replicas, level=lv,
-                                      stages=tuple(st), seed=seed, first=first, total=total,
-                                      locations=replica_locations)
-        if self.mpi:  # -- MPI: gradient exchange ops, rank 0's initial weights everywhere
-            b = self.net.builder
-            server = (self.replicas.server if self.replicas else
-                      Location(b.location.device, b.location.index, max(1, threads),
-                               b.location.host))
-            self.mpi.build(self.net.graph, [b.param_grad(w) for w in b.learnable_params
-                                            if w.meta["lr_mult"] != 0], server)
-            self.mpi.broadcast([self.net.dispatcher.array(w) for w in b.learnable_params])
+        self.closed = False
         self.test_nets: list[Net] = []
-        for i, tp in enumerate(test_params):
-            s = p.test_state[i] if i < len(p.test_state) else pb.NetState()
-            lv, st = state(s)
-            tn = Net(tp, phase=TEST, level=lv, stages=st, seed=seed, threads=threads,
-                     location=location)
-            tn.share_with(self.net)
-            self.test_nets.append(tn)
-        self._build_update()
-        self.smoothed: deque[float] = deque(maxlen=max(1, p.average_loss))
-        self.requested: Callable[[], str] = lambda: "none"
-        self.last_test: list[dict[str, np.ndarray]] = []
-        if share_memory:
-            self._share_memory()
-        self._load_weights(base)
+        self.replicas = None
+        try:
+            self.net = Net(train_param, phase=TRAIN, level=lv, stages=st, seed=seed + first,
+                           threads=threads, replica=(first, total), location=location)
+            self.net.solver_owned = True  # its blobs feed the update ops: no reshape
+            self._check_regularization()
+            self.trace_path: str | None = None  # write a Chrome trace of the next iteration
+            if replicas > 1:  # data parallelism: the other replicas join the net's graph
+                from purine.parallel import replicate
+
+                self.replicas = replicate(self.net, train_param, replicas, level=lv,
+                                          stages=tuple(st), seed=seed, first=first, total=total,
+                                          locations=replica_locations)
+            if self.mpi:  # -- MPI: gradient exchange ops, rank 0's initial weights everywhere
+                b = self.net.builder
+                server = (self.replicas.server if self.replicas else
+                          Location(b.location.device, b.location.index, max(1, threads),
+                                   b.location.host))
+                self.mpi.build(self.net.graph, [b.param_grad(w) for w in b.learnable_params
+                                                if w.meta["lr_mult"] != 0], server)
+                self.mpi.broadcast([self.net.dispatcher.array(w) for w in b.learnable_params])
+            for i, tp in enumerate(test_params):
+                s = p.test_state[i] if i < len(p.test_state) else pb.NetState()
+                lv, st = state(s)
+                tn = Net(tp, phase=TEST, level=lv, stages=st, seed=seed, threads=threads,
+                         location=location)
+                tn.share_with(self.net)
+                self.test_nets.append(tn)
+            self._build_update()
+            self.smoothed: deque[float] = deque(maxlen=max(1, p.average_loss))
+            self.requested: Callable[[], str] = lambda: "none"
+            self.last_test: list[dict[str, np.ndarray]] = []
+            if share_memory:
+                self._share_memory()
+            self._load_weights(base)
+        except BaseException:  # the databases the nets opened so far are free again
+            self.close()
+            raise
+
+    # -- releasing -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the train net, its replicas' data layers and the test nets: their prefetch
+        threads are joined and their databases released when this returns. Closing twice
+        does nothing; stepping after it is an error. ``with Solver(...) as solver:`` closes
+        on leaving the block."""
+        if self.closed:
+            return
+        self.closed = True
+        objects: list[Any] = [n for n in (getattr(self, "net", None), *self.test_nets)
+                              if n is not None]
+        if objects:
+            try:
+                objects += self._stateful().values()  # replicas' cursors too
+            except AttributeError:  # a subclass failed to build before it made its replicas
+                pass
+        close_all(objects)
+
+    def __enter__(self) -> Solver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- settings refused or checked before iteration 0 ----------------------------------
     def _where(self) -> str:
@@ -473,6 +502,9 @@ class Solver:
         return loss
 
     def step(self, iters: int) -> None:
+        if self.closed:
+            raise PurineError(f"solver {self._where()} is closed: its nets' data sources are "
+                              "released; build a new solver to train again")
         if self.replicas:  # replicas on concurrent workers: one BLAS thread each
             with one_blas_thread():
                 self._step(iters)

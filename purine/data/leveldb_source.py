@@ -5,12 +5,11 @@ records in key order, wrapping at the end as Caffe's cursor does."""
 from __future__ import annotations
 
 import os
-import threading
-import weakref
 from types import ModuleType
 
 from purine.data import DataError
-from purine.data.lmdb_source import DatumSource
+from purine.data.datum import show_key
+from purine.data.lmdb_source import DatumSource, SharedHandles
 
 INSTALL_HINT = "pip install purine-caffe[leveldb] (or pip install plyvel)"
 
@@ -30,31 +29,18 @@ def message(e: Exception) -> str:
     return arg.decode("utf-8", "replace") if isinstance(arg, bytes) else str(arg)
 
 
-class _Handle:
-    """One open plyvel.DB (which cannot be weakly referenced itself), closed when the last
-    source reading it goes."""
-
-    def __init__(self, db):
-        self.db = db
-
-
 # LevelDB locks its folder, so one process opens a database once: a train net and a test
-# net (or two nets in a test) reading one database share the handle while either lives.
-# Keyed by the folder's inode, so a database written anew under the same name is new.
-_DBS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_DBS_LOCK = threading.Lock()
+# net (or two nets in a test) reading one database share the handle, and the last of their
+# sources to close closes it. Keyed by the folder's inode, so a database written anew under
+# the same name is new.
+_DBS = SharedHandles(lambda db: db.close())
 
 
-def _open(path: str) -> _Handle:
+def _open(path: str):
     plyvel = plyvel_module()
     st = os.stat(path)
-    key = (st.st_dev, st.st_ino)
-    with _DBS_LOCK:
-        handle = _DBS.get(key)
-        if handle is None:
-            handle = _Handle(plyvel.DB(path, create_if_missing=False))
-            _DBS[key] = handle
-        return handle
+    return _DBS.acquire((st.st_dev, st.st_ino),
+                        lambda: plyvel.DB(path, create_if_missing=False))
 
 
 class LevelDBSource(DatumSource):
@@ -75,13 +61,13 @@ class LevelDBSource(DatumSource):
         except plyvel.Error as e:
             held = isinstance(e, plyvel.IOError) and "already held by process" in message(e)
             raise self.cannot_open(message(e), held) from None
+        self._hold(_DBS, self.handle)
         self.count: int | None = None
-        it = self.handle.db.iterator(include_value=False)
-        try:
-            if next(it, None) is None:
-                raise DataError(f"LevelDB '{self.path}' has no records")
-        finally:
-            it.close()
+        with self.handle.iterator(include_value=False) as it:
+            empty = next(it, None) is None
+        if empty:
+            self.close()
+            raise DataError(f"LevelDB '{self.path}' has no records")
 
     def reader(self) -> LevelDBReader:
         return LevelDBReader(self)
@@ -91,34 +77,34 @@ class LevelDBReader:
     """A cursor position (the record number and its key); ``records(start, n)`` walks
     forward from where the last call stopped, as LMDBReader does.
 
-    Each call reads through an iterator of its own, closed before it returns: a LevelDB
-    iterator must go before its database, and one left to the garbage collector (a reader
-    lives in a prefetch thread's closure, which a net's reference cycles hold) may be freed
-    after it, which crashes the process."""
+    The walk steps over keys only (the records of other replicas, a resumed run's skip):
+    values are read for the records returned alone. Each call reads through iterators of
+    its own, closed before it returns: a LevelDB iterator must go before its database, and
+    one left to the garbage collector (a reader lives in a prefetch thread's closure, which
+    a net's reference cycles hold) may be freed after it, which crashes the process."""
 
     def __init__(self, source: LevelDBSource):
+        source.check_open()
         self.source = source
-        self.item: tuple[bytes, bytes] | None = None  # the record the cursor is on
+        self.key: bytes | None = None  # the record the cursor is on
         self.pos = 0  # its number
-        self._it = None
+        self._it = None  # a key-only iterator while records() walks
 
     def _rewind(self) -> None:
         self._it.seek_to_start()
-        self.item = next(self._it)
+        self.key = next(self._it)
         self.pos = 0
 
     def _resume(self) -> None:
-        if self.item is not None:
-            self._it.seek(self.item[0])
-            item = next(self._it, None)
-            if item is not None and item[0] == self.item[0]:
-                self.item = item
+        if self.key is not None:
+            self._it.seek(self.key)
+            if next(self._it, None) == self.key:
                 return
         self._rewind()
 
     def _step(self) -> None:
         try:
-            self.item = next(self._it)
+            self.key = next(self._it)
             self.pos += 1
         except StopIteration:
             if self.source.count is None:
@@ -144,17 +130,32 @@ class LevelDBReader:
 
     def records(self, start: int, n: int) -> list[tuple[bytes, bytes]]:
         """Records ``start, start+1, ...`` (modulo the record count) as (key, value)."""
-        with self.source.handle.db.iterator() as self._it:
+        self.source.check_open()
+        with self.source.handle.iterator(include_value=False) as self._it:
             try:
                 self._resume()
                 self._seek(start)
-                out = []
+                keys = []
                 for _ in range(n):
-                    out.append(self.item)
+                    keys.append(self.key)
                     self._step()
-                return out
             finally:
                 self._it = None
+        return self._values(keys)
+
+    def _values(self, keys: list[bytes]) -> list[tuple[bytes, bytes]]:
+        """The records of ``keys``, consecutive in key order but for wraps to the first."""
+        out = []
+        with self.source.handle.iterator() as it:
+            for j, key in enumerate(keys):
+                if j == 0 or key <= keys[j - 1]:  # a run starts: one seek, then steps
+                    it.seek(key)
+                item = next(it, None)
+                if item is None or item[0] != key:
+                    raise DataError(f"LevelDB '{self.source.path}': record "
+                                    f"'{show_key(key)}' changed while it was read")
+                out.append(item)
+        return out
 
     def close(self) -> None:
-        self.item = None
+        self.key = None

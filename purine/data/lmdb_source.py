@@ -9,7 +9,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 import numpy as np
@@ -22,11 +22,46 @@ from purine.data.transformer import Shape, Transformer
 if TYPE_CHECKING:
     from purine.data.leveldb_source import LevelDBReader
 
+class SharedHandles:
+    """Handles opened once per process and key (an LMDB environment, a LevelDB), counted by
+    the sources that use them: the last source to close (or to be collected) closes the
+    handle, so that the database is free again at once."""
+
+    def __init__(self, close: Callable[[Any], None]):
+        self._close = close
+        self._open: dict[Any, list] = {}  # key -> [handle, users]
+        # Reentrant: a collection inside acquire() may run a dropped source's release.
+        self._lock = threading.RLock()
+
+    def acquire(self, key: Any, opener: Callable[[], Any]) -> Any:
+        """The handle open under ``key``, else ``opener()``'s; a None key is never shared."""
+        with self._lock:
+            entry = self._open.get(key) if key is not None else None
+            if entry is None:
+                entry = [opener(), 0]
+                self._open[key if key is not None else object()] = entry
+            entry[1] += 1
+            return entry[0]
+
+    def release(self, handle: Any) -> None:
+        """One user of ``handle`` is done with it; the last one closes it."""
+        with self._lock:
+            for key, entry in list(self._open.items()):
+                if entry[0] is handle:
+                    entry[1] -= 1
+                    if entry[1] > 0:
+                        return
+                    del self._open[key]
+                    break
+            else:
+                return
+        self._close(handle)
+
+
 # py-lmdb refuses to open one database file twice in a process, and a train net and a test
-# net (or two nets in a test) may read the same database: they share one environment while
-# either lives. Keyed by the data file's inode, so a database rewritten in place is new.
-_ENVS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_ENVS_LOCK = threading.Lock()
+# net (or two nets in a test) may read the same database: they share one environment.
+# Keyed by the data file's inode, so a database rewritten in place is new.
+_ENVS = SharedHandles(lambda env: env.close())
 
 
 def _open(path: str) -> lmdb.Environment:
@@ -36,15 +71,10 @@ def _open(path: str) -> lmdb.Environment:
         key = (st.st_dev, st.st_ino)
     except OSError:
         key = None  # lmdb.open says what is wrong
-    with _ENVS_LOCK:
-        env = _ENVS.get(key) if key else None
-        if env is None:
-            # lock=False: a database on a read-only medium opens too, as Caffe retries with
-            # MDB_NOLOCK; there are readers only, so they need no lock between them.
-            env = lmdb.open(path, readonly=True, lock=False, subdir=subdir, max_readers=512)
-            if key:
-                _ENVS[key] = env
-        return env
+    # lock=False: a database on a read-only medium opens too, as Caffe retries with
+    # MDB_NOLOCK; there are readers only, so they need no lock between them.
+    return _ENVS.acquire(key, lambda: lmdb.open(path, readonly=True, lock=False, subdir=subdir,
+                                                max_readers=512))
 
 
 class DatumSource:
@@ -57,8 +87,29 @@ class DatumSource:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        self._release: weakref.finalize | None = None
         if not os.path.exists(self.path):
             raise DataError(f"{self.kind} '{self.path}' does not exist")
+
+    def _hold(self, handles: SharedHandles, handle: Any) -> None:
+        """Give ``handle`` back on close(), or when this source is collected unclosed."""
+        self._release = weakref.finalize(self, handles.release, handle)
+        # Not at exit: a daemon prefetch thread may still be reading through it then.
+        self._release.atexit = False
+
+    def close(self) -> None:
+        """Give the database handle back; the last source of a database closes it. A
+        reader's thread must be done with it first. Closing twice does nothing."""
+        if self._release is not None:
+            self._release()
+
+    @property
+    def closed(self) -> bool:
+        return self._release is not None and not self._release.alive
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise DataError(f"{self.kind} '{self.path}' is closed: its net was closed")
 
     def cannot_open(self, detail: str, elsewhere: bool) -> DataError:
         """The error for a database that would not open; ``elsewhere``: because this process
@@ -93,8 +144,10 @@ class LMDBSource(DatumSource):
             self.env = _open(self.path)
         except lmdb.Error as e:
             raise self.cannot_open(str(e), "already open" in str(e)) from None
+        self._hold(_ENVS, self.env)
         self.count = int(self.env.stat()["entries"])
         if self.count == 0:
+            self.close()
             raise DataError(f"LMDB '{self.path}' has no records")
 
     def reader(self) -> LMDBReader:
@@ -106,6 +159,7 @@ class LMDBReader:
     last call stopped, so consecutive batches cost one step per record."""
 
     def __init__(self, source: LMDBSource):
+        source.check_open()
         self.source = source
         self.txn = source.env.begin(buffers=False)
         self.cursor = self.txn.cursor()
@@ -128,6 +182,7 @@ class LMDBReader:
 
     def records(self, start: int, n: int) -> list[tuple[bytes, bytes]]:
         """Records ``start, start+1, ...`` (modulo the record count) as (key, value)."""
+        self.source.check_open()
         self._seek(start % self.source.count)
         out = []
         for _ in range(n):
@@ -136,7 +191,9 @@ class LMDBReader:
         return out
 
     def close(self) -> None:
-        self.txn.abort()
+        if self.txn is not None and not self.source.closed:
+            self.txn.abort()
+        self.txn = self.cursor = None
 
 
 class DatumBatches:
@@ -155,8 +212,19 @@ class DatumBatches:
         return f"{self.source.kind} '{self.source.path}': record '{show_key(key)}'"
 
     def reader(self, pool: BufferPool | None = None) -> Callable[[int], Batch]:
+        """``read(k)``, with a ``close()`` that ends its cursor (the prefetch thread calls
+        it as it exits, so that a closed database has no reader left)."""
         r, pool = self.source.reader(), pool or BufferPool(0)
-        return lambda k: self.read(r, k, pool)
+
+        def read(k: int) -> Batch:
+            return self.read(r, k, pool)
+
+        read.close = r.close  # type: ignore[attr-defined]
+        return read
+
+    def close(self) -> None:
+        """Release the source (its database handle); the readers must be done."""
+        self.source.close()
 
     def read(self, r: LMDBReader | LevelDBReader, k: int, pool: BufferPool) -> Batch:
         g = stream_batch(k, self.replica)  # the batch's number in database order

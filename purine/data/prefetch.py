@@ -1,7 +1,8 @@
 """Prefetching: a daemon thread makes batches k, k+1, ... ahead of the forward op into a
 bounded queue, so that reading, decoding and transforming overlap computation. The batch
 number handed out next is the data cursor a snapshot keeps; restoring it restarts the
-thread there. An error in the thread is raised by the forward op, naming the record."""
+thread there. An error in the thread is raised by the forward op, naming the record.
+``close()`` joins the thread and releases the batches' source (its database handle)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from purine.errors import PurineError
 Batch = tuple[Any, ...]
 Reader = Callable[[int], Batch]
 """``read(k)``: batch number ``k`` (a tuple of host arrays, one per top); it must depend on
-``k`` only, so that a batch is the same whichever thread makes it and whenever."""
+``k`` only, so that a batch is the same whichever thread makes it and whenever. A ``close``
+attribute, if it has one, is called when its thread is done with it."""
 
 
 class BufferPool:
@@ -78,10 +80,13 @@ class Prefetcher:
 
     ``make_reader(pool)`` is called in the thread and returns its ``read`` function, so that
     each thread has its own database transaction and cursor; ``read`` takes its batch
-    arrays from ``pool``, where the forward op gives them back (``recycle``)."""
+    arrays from ``pool``, where the forward op gives them back (``recycle``). When
+    ``make_reader`` is a method of an object with a ``close()`` (DatumBatches), ``close()``
+    here calls it once the thread has ended."""
 
     def __init__(self, make_reader: Callable[[BufferPool], Reader], depth: int, name: str):
         self.make_reader, self.depth, self.name = make_reader, int(depth), name
+        self.closed = False
         self.pool = BufferPool(max(1, self.depth) + 1)
         self.uploader: Uploader | None = None  # batches for a GPU: copied there by the thread
         self.position = 0
@@ -103,6 +108,8 @@ class Prefetcher:
     # -- consuming -------------------------------------------------------------------
     def next(self) -> Batch:
         """The next batch; raises the reader's error (a PurineError naming the record)."""
+        if self.closed:
+            raise DataError(f"{self.name}: the data source is closed (its net was closed)")
         if self.depth <= 0:
             if self._read is None:
                 self._read = self.make_reader(self.pool)
@@ -165,7 +172,23 @@ class Prefetcher:
         if wait and self._thread is not None:
             self._thread.join(wait)
         self._thread = self._queue = self._stop = None
+        _close_reader(self._read)
         self._read = None
+
+    def close(self) -> None:
+        """Stop the thread, wait until it has left its read, and release the source the
+        batches come from: its database is free for other openers when this returns.
+        Closing twice does nothing; ``next()`` after it is an error."""
+        if self.closed:
+            return
+        self.closed = True
+        thread = self._thread
+        self.stop()
+        if thread is not None:
+            thread.join()  # at most one batch's read: the thread checks its stop between them
+        release = getattr(getattr(self.make_reader, "__self__", None), "close", None)
+        if release is not None:
+            release()
 
 
 def _produce(make_reader: Callable[[BufferPool], Reader], pool: BufferPool, first: int,
@@ -176,15 +199,24 @@ def _produce(make_reader: Callable[[BufferPool], Reader], pool: BufferPool, firs
     except BaseException as e:  # handed to the consumer, which raises it
         _put(q, stop, (k, None, e))
         return
-    while not stop.is_set():
-        try:
-            batch = read(k)
-            item = (k, batch if upload is None else upload(batch), None)
-        except BaseException as e:
-            item = (k, None, e)
-        if not _put(q, stop, item) or item[2] is not None:
-            return
-        k += 1
+    try:
+        while not stop.is_set():
+            try:
+                batch = read(k)
+                item = (k, batch if upload is None else upload(batch), None)
+            except BaseException as e:
+                item = (k, None, e)
+            if not _put(q, stop, item) or item[2] is not None:
+                return
+            k += 1
+    finally:
+        _close_reader(read)
+
+
+def _close_reader(read: Reader | None) -> None:
+    close = getattr(read, "close", None)
+    if close is not None:
+        close()
 
 
 def _put(q: queue.Queue, stop: threading.Event, item: tuple) -> bool:
