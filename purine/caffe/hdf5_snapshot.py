@@ -92,11 +92,22 @@ def _load_int(path: str, f, name: str) -> int:
     return int(a.reshape(-1)[0])
 
 
+def _float_array(a: np.ndarray) -> np.ndarray:
+    """A blob as Caffe's float and double nets write it: in its own precision (a float16 or
+    integer array, which no Caffe blob holds, as float32), little-endian."""
+    a = np.asarray(a)
+    dtype = a.dtype if a.dtype in (np.float32, np.float64) else np.dtype(np.float32)
+    return np.asarray(a, dtype=dtype.newbyteorder("<"))
+
+
 def _load_array(path: str, ds) -> np.ndarray:
-    """A float dataset as float32; Caffe accepts float and integer classes."""
+    """A dataset in the precision it was written in (integer classes, which Caffe's reader
+    also accepts, as float64): assigning it to a blob converts it to the blob's dtype, as
+    Caffe's reader converts to its net's."""
     if ds.dtype.kind not in "iuf":
         raise ProtoError(f"{path}: dataset '{ds.name}' holds {ds.dtype}; expected numbers")
-    return np.asarray(ds[()], dtype=np.float32)
+    a = np.asarray(ds[()])
+    return a if a.dtype.kind == "f" else a.astype(np.float64)
 
 
 def _open_caffe_file(h5py: ModuleType, path: str, group: str, kind: str):
@@ -125,7 +136,7 @@ def write_weights(path: str | os.PathLike,
             group = data.create_group(name)
             for i, a in enumerate(blobs):
                 if a is not None:
-                    group.create_dataset(str(i), data=np.asarray(a, dtype="<f4"))
+                    group.create_dataset(str(i), data=_float_array(a))
 
 
 def read_weights(path: str | os.PathLike) -> dict[str, dict[str, np.ndarray]]:
@@ -161,7 +172,7 @@ def write_state(path: str | os.PathLike, state: SolverStateH5) -> None:
         _save_int(f, "current_step", state.current_step)
         history = f.create_group("history")
         for i, a in enumerate(state.history):
-            history.create_dataset(str(i), data=np.asarray(a, dtype="<f4"))
+            history.create_dataset(str(i), data=_float_array(a))
         if state.private is not None:
             _save_string(h5py, f, PRIVATE_DATASET, state.private)
 

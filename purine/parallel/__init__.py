@@ -77,6 +77,8 @@ def replicate(net: Net, param: pb.NetParameter, count: int, *, level: int = 0,
         mapped = graph.compose(b.graph, f"replica{r}/",
                                bind={name: masters[name] for name in bound})
         replica_ops = graph.ops[start:]
+        if builder.storage is not None:  # the replica's kept state lives in the merged graph
+            b.storage = lambda blob, m=mapped, arrays=builder.storage: arrays(m[blob.name])
         # Weights not bound are broadcast in; gradients from another memory come home.
         out.pass_ops += [graph.op(f"replica{r}/pull/{name}", "Copy", [masters[name]],
                                   [mapped[name]], kernel(tensor.copy), loc)

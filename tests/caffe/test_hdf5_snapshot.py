@@ -172,6 +172,68 @@ def test_net_save_hdf5_round_trips(tmp_path):
             assert np.array_equal(a, b)
 
 
+
+def test_a_float64_net_round_trips_in_double_datasets(tmp_path):
+    """A float64 net writes double datasets, as Caffe's double nets do, and reads them back
+    bit for bit; a float32 net reading the same file rounds each value to float32."""
+    net = Net(DEPLOY, phase=TEST, dtype="float64")
+    for views in net.params.values():
+        for v in views:
+            v.data[...] = np.random.default_rng(v.data.size).standard_normal(v.shape) / 3
+    path = tmp_path / "d.caffemodel.h5"
+    net.save_hdf5(path)
+    with h5py.File(path, "r") as f:
+        assert {f[f"data/{k}"].dtype for k in ("ip1/0", "ip1/1", "ip2/1")} == {np.dtype("<f8")}
+        assert np.array_equal(f["data/ip1/0"][()], net.params["ip1"][0].data)
+    other = Net(DEPLOY, phase=TEST, dtype="float64")
+    other.load_hdf5(path)
+    single = Net(DEPLOY, phase=TEST)
+    single.load_hdf5(path)
+    for name, arrays in params_of(net).items():
+        for a, b, c in zip(arrays, params_of(other)[name], params_of(single)[name],
+                           strict=True):
+            assert b.dtype == np.float64 and np.array_equal(a, b)
+            assert c.dtype == np.float32 and np.array_equal(c, a.astype(np.float32))
+            assert not np.array_equal(c.astype(np.float64), a)  # the double bits were kept
+
+
+REPEATED = """name: "repeat"
+layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 4 } } }
+layer { name: "a" type: "InnerProduct" bottom: "x" top: "y"
+  inner_product_param { num_output: 3 } }
+layer { name: "a" type: "ReLU" bottom: "y" top: "z" }
+layer { name: "b" type: "Sigmoid" bottom: "z" top: "s" }
+layer { name: "b" type: "TanH" bottom: "s" top: "t" }
+"""
+
+
+def test_a_repeated_layer_name_writes_its_parameters_once(tmp_path):
+    """Caffe lets a parameter-free layer repeat a name: the .caffemodel.h5 has one group per
+    name (the first layer's), the .caffemodel every layer with its own blobs (none for the
+    repeats), and both load back."""
+    from purine.caffe import caffe_pb2 as pb
+
+    net = Net(REPEATED, phase=TEST)
+    w = net.params["a"][0].data
+    w[...] = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    net.save_hdf5(tmp_path / "r.caffemodel.h5")
+    with h5py.File(tmp_path / "r.caffemodel.h5", "r") as f:
+        assert sorted(f["data"]) == ["a", "b", "in"]
+        assert sorted(f["data/a"]) == ["0", "1"] and list(f["data/b"]) == []
+        assert np.array_equal(f["data/a/0"][()], w)
+    net.save(tmp_path / "r.caffemodel")
+    saved = pb.NetParameter()
+    saved.ParseFromString((tmp_path / "r.caffemodel").read_bytes())
+    assert [(lp.name, lp.type, len(lp.blobs)) for lp in saved.layer] == [
+        ("in", "Input", 0), ("a", "InnerProduct", 2), ("a", "ReLU", 0),
+        ("b", "Sigmoid", 0), ("b", "TanH", 0)]
+    assert saved.name == "repeat"
+    for weights in ("r.caffemodel.h5", "r.caffemodel"):
+        other = Net(REPEATED, phase=TEST)
+        other.copy_from(tmp_path / weights)
+        assert np.array_equal(other.params["a"][0].data, w), weights
+
+
 @pytest.mark.parametrize("arrays,match", [
     ({"ip1": {0: np.zeros((4, 3)), 1: np.zeros(3)}},
      r"layer 'ip1' parameter 0 has shape \(4, 3\) in the file, the net expects \(3, 4\)"),

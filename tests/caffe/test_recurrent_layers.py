@@ -359,6 +359,54 @@ def test_lstm_learns_to_echo_the_previous_input(tmp_path):
     assert last < 0.05 * first, (first, last)  # a constant guess stays near first
 
 
+
+# The sequence goes on from batch to batch (cont 1 throughout), so each forward pass starts
+# from the state the last one carried.
+CARRY_NET = """
+layer { name: "data" type: "DummyData" top: "x" top: "cont" top: "y" dummy_data_param {
+  shape { dim: 3 dim: 2 dim: 4 } shape { dim: 3 dim: 2 } shape { dim: 3 dim: 2 dim: 3 }
+  data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 1 }
+  data_filler { type: "gaussian" std: 1 } } }
+layer { name: "lstm" type: "LSTM" bottom: "x" bottom: "cont" top: "h"
+  recurrent_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 }
+  bias_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "h" bottom: "y" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("fmt, replicas", [("BINARYPROTO", 1), ("HDF5", 1), ("BINARYPROTO", 2)])
+def test_resume_carries_the_hidden_state_bit_for_bit(tmp_path, fmt, replicas):
+    """4 iterations straight equal 2, a snapshot, a fresh solver restored from it and 2 more,
+    in loss and weights: the snapshot keeps h_T and c_T exactly (every replica's)."""
+    text = (f"net_param {{ {CARRY_NET} }}\nbase_lr: 0.1\nmomentum: 0.9\n"
+            f'lr_policy: "fixed"\nmax_iter: 4\nrandom_seed: 7\n'
+            f'snapshot_prefix: "{tmp_path}/s"\nsnapshot_format: {fmt}\n')
+
+    def run(solver, n):
+        losses = []
+        for _ in range(n):
+            solver.step(1)
+            losses.append(solver.net.loss)
+        return losses
+
+    straight = Solver(text, replicas=replicas)
+    want = run(straight, 4)
+    half = Solver(text, replicas=replicas)
+    assert run(half, 2) == want[:2]
+    names = [f"{r}lstm@state#{i}" for r in ["", *(f"replica{k}/" for k in range(1, replicas))]
+             for i in range(2)]
+    carried = [half.net.dispatcher.array(half.net.graph.blobs[n]).copy() for n in names]
+    assert min(np.abs(c).max() for c in carried) > 1e-3  # h_T and c_T are not zeros
+    _, state = half.snapshot()
+    resumed = Solver(text, replicas=replicas)
+    resumed.restore(state)
+    for n, c in zip(names, carried, strict=True):
+        assert np.array_equal(resumed.net.dispatcher.array(resumed.net.graph.blobs[n]), c), n
+    assert run(resumed, 2) == want[2:]
+    for a, b in zip(straight.net.params["lstm"], resumed.net.params["lstm"], strict=True):
+        assert np.array_equal(a.data, b.data)
+
+
 # -- errors -------------------------------------------------------------------------------
 ERRORS = [
     ("cont of the wrong shape", spec("RNN"), {"x": (3, 2, 4), "cont": (3, 1)},

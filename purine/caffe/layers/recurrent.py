@@ -4,8 +4,13 @@ each with its backward op (backpropagation through time)."""
 
 from __future__ import annotations
 
+import base64
 import math
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from purine.backend import assign, to_host
 from purine.caffe.layer import LayerBuild, register
 from purine.graph import Blob
 from purine.ops import activation as act
@@ -13,9 +18,38 @@ from purine.ops import inner_product as ip
 from purine.ops import recurrent as rec
 from purine.ops import tensor
 
+if TYPE_CHECKING:
+    from purine.caffe.net import NetBuilder
+
 # The recurrent state blobs of each architecture, as Caffe names them (bottoms and tops
 # that expose_hidden adds, in this order).
 _STATE = {"RNN": ("h_0", "h_T"), "LSTM": ("h_0", "c_0", "h_T", "c_T")}
+
+
+class CarriedState:
+    """The state a recurrent layer carries from one forward pass to the next, as snapshots
+    keep it: the raw bytes of the array (base64, with dtype and shape), so that a resumed run
+    continues bit for bit. It reads and writes the blob through the storage of the
+    dispatcher that runs the net."""
+
+    def __init__(self, net: NetBuilder, blob: Blob):
+        self.net, self.blob = net, blob
+
+    def state(self) -> dict:
+        if self.net.storage is None:  # a graph no dispatcher runs as its own: nothing kept
+            return {}
+        a = np.ascontiguousarray(to_host(self.net.storage(self.blob)))
+        return {"dtype": a.dtype.str, "shape": list(a.shape),
+                "data": base64.b64encode(a.tobytes()).decode("ascii")}
+
+    def restore(self, state: dict) -> None:
+        if self.net.storage is None or "data" not in state:
+            return
+        shape = tuple(int(d) for d in state["shape"])
+        if shape != self.blob.shape:
+            return  # the net was reshaped (another batch size): it starts from zeros anew
+        a = np.frombuffer(base64.b64decode(state["data"]), dtype=np.dtype(state["dtype"]))
+        assign(self.net.storage(self.blob), a.reshape(shape))
 
 
 class _Setup:
@@ -78,7 +112,10 @@ class _Setup:
         pass to the next (Caffe copies h_T into h_0 before each pass; zero at first)."""
         if self.exposed:
             return list(self.h0)
-        return [self.L.scratch(f"state#{i}", (1, self.N, self.H)) for i in range(n)]
+        blobs = [self.L.scratch(f"state#{i}", (1, self.N, self.H)) for i in range(n)]
+        for i, b in enumerate(blobs):
+            self.L.keep_state(f"state#{i}", CarriedState(self.L.net, b))
+        return blobs
 
     def last(self, state: list[Blob]) -> list[Blob]:
         """Where the final states go: the exposed tops, or the kept state itself."""
