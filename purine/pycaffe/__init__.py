@@ -24,9 +24,10 @@ import sys
 from purine.caffe import TEST, TRAIN
 from purine.caffe.layer import BUILDERS
 from purine.caffe.layers.python import Layer
-from purine.pycaffe import io, proto
+from purine.pycaffe import io, net_spec, proto
 from purine.pycaffe.mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed
 from purine.pycaffe.net import Net
+from purine.pycaffe.net_spec import NetSpec, layers, params, to_proto
 from purine.pycaffe.solver import (
     AdaDeltaSolver,
     AdaGradSolver,
@@ -43,6 +44,7 @@ __all__ = [
     "RMSPropSolver", "SGDSolver", "Solver", "TEST", "TRAIN", "get_solver", "install_as_caffe",
     "io", "layer_type_list", "proto", "set_device", "set_mode_cpu", "set_mode_gpu",
     "set_random_seed",
+    "NetSpec", "layers", "params", "to_proto",  # the net specification (net_spec.py)
 ]
 
 
@@ -52,10 +54,11 @@ def layer_type_list() -> list[str]:
 
 
 def install_as_caffe() -> bool:
-    """Make ``import caffe`` (and ``caffe.io``, ``caffe.proto.caffe_pb2``) resolve to this
-    module, unless a real ``caffe`` package is importable or already imported. Returns
-    whether ``caffe`` is now this module. A ``caffe`` directory without ``__init__.py``
-    (a Caffe source checkout seen as a namespace package) does not count as installed."""
+    """Make ``import caffe`` (and ``caffe.io``, ``caffe.net_spec``, ``caffe.proto.caffe_pb2``)
+    resolve to this module, unless a real ``caffe`` package is importable or already
+    imported. Returns whether ``caffe`` is now this module. A ``caffe`` directory without
+    ``__init__.py`` (a Caffe source checkout seen as a namespace package) does not count as
+    installed."""
     this = sys.modules[__name__]
     current = sys.modules.get("caffe")
     if current is not None:
@@ -68,5 +71,6 @@ def install_as_caffe() -> bool:
         "caffe.io": io,
         "caffe.proto": proto,
         "caffe.proto.caffe_pb2": proto.caffe_pb2,
+        "caffe.net_spec": net_spec,
     })
     return True

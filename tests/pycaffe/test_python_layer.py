@@ -317,3 +317,6 @@ def test_the_shim_installs_over_a_caffe_source_checkout(tmp_path, monkeypatch):
 
     assert imported is caffe and caffe_pb2.NetParameter is caffe.proto.caffe_pb2.NetParameter
     assert sys.modules["caffe.io"] is caffe.io
+    from caffe.net_spec import assign_proto, to_proto
+
+    assert to_proto is caffe.to_proto and callable(assign_proto)
