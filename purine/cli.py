@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 
 from purine.errors import PurineError, run_reporting
 from purine.log import get_logger
@@ -37,25 +36,7 @@ def cmd_time(args: argparse.Namespace) -> int:
                  len(placement), len(split.towers))
     with Net(model, phase=TRAIN, level=args.level, stages=_stages(args.stage),
              threads=args.threads, placement=placement, location=_location(gpus)) as net:
-        log.info("Performing Forward")
-        net.forward()
-        log.info("Initial loss: %g", net.loss)
-        log.info("Performing Backward")
-        net.backward()
-        log.info("*** Benchmark begins ***")
-        log.info("Testing for %d iterations.", args.iterations)
-        t0 = time.perf_counter()
-        t = time_net(net, args.iterations, log)
-        total = (time.perf_counter() - t0) * 1e3
-        log.info("Average time per layer: ")
-        for name, f, b in t.layers:
-            log.info("%10s\tforward: %g ms.", name, f)
-            log.info("%10s\tbackward: %g ms.", name, b)
-        log.info("Average Forward pass: %g ms.", t.forward_ms)
-        log.info("Average Backward pass: %g ms.", t.backward_ms)
-        log.info("Average Forward-Backward: %g ms.", t.forward_ms + t.backward_ms)
-        log.info("Total Time: %g ms.", total)
-        log.info("*** Benchmark ends ***")
+        time_net(net, args.iterations, log)  # Caffe's passes and lines
     return 0
 
 
@@ -224,9 +205,8 @@ def cmd_test(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from purine.demo import run_demo
 
-    scores = run_demo(args.dir, max_iter=args.iterations, threads=args.threads)
-    summary = ", ".join(f"{k} = {v:.4f}" for k, v in scores.items())
-    get_logger().info("Demo finished: LeNet on %s: %s", args.dir, summary)
+    run_demo(args.dir, max_iter=args.iterations, threads=args.threads,
+             data_only=args.data_only)  # its last line says where its files are
     return 0
 
 
@@ -367,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                "gives models/lenet the LMDBs it expects)")
     _flag(p, "iterations", type=int, default=1000, help="training iterations (default 1000)")
     _flag(p, "threads", type=int, default=1, help="dispatcher worker threads")
+    _flag(p, "data-only", action="store_true",
+          help="write the two LMDBs and exit (--dir examples/mnist: models/lenet's data)")
     p.set_defaults(run=cmd_demo)
 
     p = sub.add_parser("device_query", help="show the devices purine-caffe can use")
