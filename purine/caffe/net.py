@@ -16,7 +16,7 @@ from purine.caffe import caffe_pb2 as pb
 from purine.caffe.fillers import fill
 from purine.caffe.layer import BUILDERS, LayerBuild, LegacyAxes, Stateful, kernel
 from purine.caffe.prototxt import filter_net, insert_splits, read_net
-from purine.errors import LayerError, PurineError
+from purine.errors import LayerError, ProtoError, PurineError
 from purine.graph import CPU, Blob, Graph, Location, Op
 from purine.log import get_logger
 from purine.ops import tensor
@@ -62,8 +62,13 @@ class NetBuilder:
                  stages: Sequence[str] = (), seed: int = 0, location: Location = CPU,
                  threads: int = 1, input_shapes: dict[str, tuple[int, ...]] | None = None,
                  dtype: str = "float32", replica: tuple[int, int] = (0, 1),
-                 placement: dict[str, Location] | None = None):
+                 placement: dict[str, Location] | None = None,
+                 previous: NetBuilder | None = None):
         self.phase = phase
+        # The build this one replaces (a reshape): layers holding a user's object (Python
+        # layers) take it over instead of setting up a new one, as Caffe's Net::Reshape
+        # keeps its layers. The Net drops the reference once the build is done.
+        self.previous = previous
         self.placement = dict(placement or {})  # layer name -> where its ops and blobs go
         self.dtype = dtype
         # (index, count) of this net among data-parallel replicas: data layers read
@@ -341,27 +346,44 @@ class BlobView(LegacyAxes):
     def __init__(self, net: Net, name: str, data: Blob, diff: Blob | None):
         self._net, self.name, self._data, self._diff = net, name, data, diff
 
+    def _staged(self, diff: bool = False) -> np.ndarray | None:
+        """The array standing for this input blob between a reshape and the rebuild."""
+        net = self._net
+        if net.builder.data.get(self.name) is not self._data:
+            return None  # a parameter's view, or one kept from an earlier build
+        return (net._staged_diffs if diff else net._staged).get(self.name)
+
     @property
     def data(self) -> np.ndarray:
-        return self._net.dispatcher.array(self._data)
+        staged = self._staged()
+        return self._net.dispatcher.array(self._data) if staged is None else staged
 
     @property
     def diff(self) -> np.ndarray:
+        if self._staged() is not None:
+            if self._staged(diff=True) is None:
+                self._net._staged_diffs[self.name] = np.zeros_like(self._staged())
+            return self._staged(diff=True)
         if self._diff is None:
             self._diff = self._net.builder.diff(self.name)
         return self._net.dispatcher.array(self._diff)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self._data.shape
+        staged = self._staged()
+        return self._data.shape if staged is None else staged.shape
 
     @property
     def count(self) -> int:
-        return self._data.count
+        return int(np.prod(self.shape, dtype=np.int64))
 
     def reshape(self, *shape: int) -> None:
-        """Record a new shape for an input blob; ``net.reshape()`` applies it."""
-        self._net._input_shapes[self.name] = tuple(int(d) for d in shape)
+        """Caffe's Blob::Reshape of an input blob: the blob has the new shape at once (its
+        ``data`` a zero array of it, to be filled), the layers after it from the next
+        ``forward`` (or ``net.reshape()``), which rebuilds the graph keeping the weights."""
+        if len(shape) == 1 and isinstance(shape[0], tuple | list):
+            shape = tuple(shape[0])
+        self._net._reshape_input(self.name, self._data, tuple(int(d) for d in shape))
 
     def __repr__(self) -> str:
         return f"<Blob {self.name} {self.shape}>"
@@ -390,7 +412,11 @@ class Net:
         self._level, self._stages, self._seed, self._threads = level, tuple(stages), seed, threads
         self._dtype, self._replica, self._placement = dtype, replica, placement
         self.location = location  # where the layers run (Python layers stay on the host)
-        self._input_shapes: dict[str, tuple[int, ...]] = {}
+        self._input_shapes: dict[str, tuple[int, ...]] = {}  # requested by blob reshapes
+        # Input blobs reshaped since the last build: host arrays of their new shapes, which
+        # ``blobs[name].data`` gives until the rebuild copies them into the graph's blobs.
+        self._staged: dict[str, np.ndarray] = {}
+        self._staged_diffs: dict[str, np.ndarray] = {}
         self._shared_with: Net | None = None
         self.solver_owned = False
         self.closed = False
@@ -398,11 +424,12 @@ class Net:
         if weights is not None:
             self.copy_from(weights)
 
-    def _build(self, keep: dict[Blob, np.ndarray] | None = None) -> None:
+    def _build(self, previous: NetBuilder | None = None) -> None:
         b = NetBuilder(self.model, self.phase, level=self._level, stages=self._stages,
                        seed=self._seed, threads=self._threads, input_shapes=self._input_shapes,
                        dtype=self._dtype, replica=self._replica, placement=self._placement,
-                       location=self.location)
+                       location=self.location, previous=previous)
+        b.previous = None  # the old build may go
         self.builder, self.graph = b, b.graph
         self.dispatcher = Dispatcher(self.graph)
         b.storage = self.dispatcher.array
@@ -467,13 +494,14 @@ class Net:
         for name, value in inputs.items():
             if name not in self.blobs:
                 raise PurineError(f"forward: net has no blob '{name}'")
-            target = self.blobs[name].data
+            view = self.blobs[name]  # its shape: the built one, or one asked by reshape
             if not is_device_array(value):
                 value = np.asarray(value)
-            if tuple(value.shape) != target.shape:
-                raise PurineError(f"forward: blob '{name}' has shape {target.shape}, "
+            if tuple(value.shape) != view.shape:
+                raise PurineError(f"forward: blob '{name}' has shape {view.shape}, "
                                   f"the input has {tuple(value.shape)}")
-            assign(target, value)
+            assign(view.data, value)
+        self.reshape_if_needed()
         if start is None and end is None:
             ops = self._forward_ops
         else:
@@ -516,21 +544,77 @@ class Net:
         return float(sum(w * float(self.dispatcher.array(b).sum())
                          for b, w in self.builder.loss_tops))
 
+    def _reshape_input(self, name: str, blob: Blob, shape: tuple[int, ...]) -> None:
+        """``blobs[name].reshape(*shape)``: only an input blob may take a shape of its own;
+        the others follow from the layers that write them."""
+        built = blob.shape
+        if any(d < 0 for d in shape):
+            raise PurineError(f"blob '{name}': negative dimension in reshape{shape}")
+        current = self.builder.data.get(name) is blob
+        # A solver's net keeps the request too, and refuses it when it would run.
+        if not current or (name not in self.inputs and not self.solver_owned):
+            if shape == built:
+                return
+            raise PurineError(
+                f"net '{self.model.name}': blob '{name}' {built} cannot be reshaped to {shape}: "
+                "only the net's input blobs (" + ", ".join(self.inputs) + ") take shapes of "
+                "their own; the other blobs' follow from the layers that write them")
+        if name in self.inputs:
+            self._input_shapes[name] = shape
+        self._staged_diffs.pop(name, None)
+        if shape == built:  # back to the built shape: no rebuild needed
+            self._staged.pop(name, None)
+        elif name not in self._staged or self._staged[name].shape != shape:
+            self._staged[name] = np.zeros(shape, blob.dtype)
+
+    def reshape_if_needed(self) -> bool:
+        """Caffe reshapes every layer at each forward; here that means a rebuild, done only
+        when an input blob was given a new shape since the last build. Returns whether it
+        rebuilt."""
+        if not self._staged:
+            return False
+        self.reshape()
+        return True
+
     def reshape(self) -> None:
-        """Rebuild with the shapes given to ``blobs[name].reshape``, keeping parameters."""
+        """Rebuild with the shapes given to ``blobs[name].reshape`` (Caffe's Net::Reshape),
+        keeping parameters, the input blobs' values, data cursors and Python layers' objects
+        (their ``reshape`` runs again and may give their tops new shapes)."""
+        self._check_open()
         if self.solver_owned:
+            asked = "".join(f"; input blob '{n}' {self.builder.data[n].shape} was reshaped to "
+                            f"{a.shape}" for n, a in self._staged.items())
             raise PurineError(f"net '{self.model.name}' belongs to a solver, whose update ops "
-                              "use its blobs: reshape a net of your own instead")
+                              f"use its blobs, and cannot be reshaped{asked}: give the new "
+                              "shape in the net's prototxt, or reshape a net of your own")
         params = {p.name: self.dispatcher.array(p).copy() for ps in self.builder.layers
                   for p in ps.params}
-        self._check_open()
+        inputs = {n: self._staged.get(n) for n in self.inputs}
+        for n, a in inputs.items():
+            if a is None:
+                inputs[n] = self.dispatcher.array(self.builder.data[n]).copy()
         states = {k: obj.state() for k, obj in self.builder.stateful.items()}
-        old = self.builder.stateful.values()
-        self._build()
-        close_all(old)  # the new data layers opened their sources anew
+        old, old_dispatcher = self.builder, self.dispatcher
+        try:
+            self._build(previous=old)
+        except BaseException:
+            # The net stays as built: forget the shapes that could not be built.
+            for n in self._staged:
+                self._input_shapes[n] = old.data[n].shape
+            self._staged.clear()
+            self._staged_diffs.clear()
+            raise
+        self._staged.clear()
+        self._staged_diffs.clear()
+        old_dispatcher.close()
+        close_all(old.stateful.values())  # the new data layers opened their sources anew
         for k, state in states.items():  # data cursors and random streams go on
             if k in self.builder.stateful:
                 self.builder.stateful[k].restore(state)
+        for n, a in inputs.items():
+            blob = self.builder.data.get(n)
+            if blob is not None and blob.shape == a.shape:
+                assign(self.dispatcher.array(blob), a)
         if self._shared_with is not None:
             self.share_with(self._shared_with)
             return
@@ -561,17 +645,26 @@ class Net:
         """Copy parameters from a .caffemodel or, when the file is HDF5 (told by its
         signature, as Caffe's CopyTrainedLayersFrom does), a .caffemodel.h5, by layer name:
         layers it lacks keep theirs; a shape mismatch is an error naming both shapes."""
-        from purine.caffe.caffemodel import load_weights
+        from purine.caffe.caffemodel import blob_to_array, read_caffemodel
         from purine.caffe.hdf5_snapshot import is_hdf5
 
         if is_hdf5(path):
             self.load_hdf5(path)
             return
-        weights = load_weights(path)
-        for name, views in self.params.items():
-            if name not in weights:
+        known, log, source = set(self.layer_names), get_logger(), read_caffemodel(path)
+        # The file's layers in order (a name given twice: the last copy stays, as in Caffe).
+        for layer in list(source.layer) + list(source.layers):
+            name = layer.name
+            if name not in known:
+                log.info("Ignoring source layer %s", name)  # Caffe's line: fine-tuners read it
                 continue
-            arrays = weights[name]
+            views = self.params.get(name)
+            if not layer.blobs or views is None:
+                continue
+            try:
+                arrays = [blob_to_array(b) for b in layer.blobs]
+            except ProtoError as e:
+                raise ProtoError(f"{os.fspath(path)}: layer '{name}': {e}") from None
             if len(arrays) != len(views):
                 raise PurineError(f"{os.fspath(path)}: layer '{name}' has {len(arrays)} "
                                   f"parameter blobs, the net expects {len(views)}")
@@ -592,7 +685,11 @@ class Net:
         from purine.caffe.hdf5_snapshot import read_weights
 
         path = os.fspath(path)
+        known = set(self.layer_names)
         for name, datasets in read_weights(path).items():
+            if name not in known:
+                get_logger().info("Ignoring source layer %s", name)
+                continue
             views = self.params.get(name)
             if views is None:
                 continue

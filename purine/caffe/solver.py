@@ -505,6 +505,7 @@ class Solver:
         if self.closed:
             raise PurineError(f"solver {self._where()} is closed: its nets' data sources are "
                               "released; build a new solver to train again")
+        self.net.reshape_if_needed()  # an input blob reshaped: refused, naming the blob
         if self.replicas:  # replicas on concurrent workers: one BLAS thread each
             with one_blas_thread():
                 self._step(iters)

@@ -7,8 +7,9 @@
     solver.step(100)
 
 ``caffe.Net``, the solvers, ``caffe.Layer`` (Python layers), ``caffe.io``, ``caffe.proto``,
-``TRAIN``/``TEST`` and the mode functions. ``set_mode_gpu`` records the mode and warns:
-there is no GPU backend behind this face yet, so everything runs on the CPU.
+``TRAIN``/``TEST``, the net specification API and the mode functions: after
+``set_mode_gpu`` (and ``set_device``) nets and solvers are built on that GPU when CuPy sees
+one; without one it warns, saying why, and they run on the CPU.
 
 ``install_as_caffe()`` makes ``import caffe`` give this module when no real Caffe is
 installed. Building a net with a ``Python`` layer calls it, so a user's layer module that

@@ -6,6 +6,9 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+from purine.backend import gpu_count, gpu_unavailable
+from purine.graph import CPU, Location
+
 
 @dataclass
 class Settings:
@@ -22,19 +25,34 @@ def set_mode_cpu() -> None:
 
 
 def set_mode_gpu() -> None:
-    """Record GPU mode. purine-caffe's pycaffe face has no GPU backend yet: nets still run
-    on the CPU, and this warns so that a script timing itself is not misled."""
+    """Nets and solvers made afterwards run on GPU ``set_device``'s index (0 unless set).
+    Without a usable GPU (no CuPy, no CUDA device) this warns, saying why, and they run on
+    the CPU, so that a script timing itself is not misled."""
     settings.mode = "gpu"
-    warnings.warn("purine.pycaffe.set_mode_gpu: no GPU backend yet; nets and solvers run "
-                  "on the CPU", RuntimeWarning, stacklevel=2)
+    why = gpu_unavailable()
+    if why is not None:
+        warnings.warn(f"purine.pycaffe.set_mode_gpu: no GPU backend available: {why}; nets "
+                      "and solvers run on the CPU", RuntimeWarning, stacklevel=2)
 
 
 def set_device(device: int) -> None:
-    """Record the GPU index that GPU mode would use (Caffe::SetDevice)."""
+    """The GPU index that GPU mode uses (Caffe::SetDevice), checked against the GPUs
+    present when there are any."""
     device = int(device)
     if device < 0:
         raise ValueError(f"set_device: device index must be >= 0, got {device}")
+    if gpu_unavailable() is None and device >= (n := gpu_count()):
+        raise ValueError(f"set_device: no GPU {device}; this machine has {n} "
+                         f"(indices 0 to {n - 1})")
     settings.device = device
+
+
+def location() -> Location:
+    """Where a net or solver made now runs: in GPU mode with a usable GPU, GPU
+    ``settings.device``; otherwise the CPU."""
+    if settings.mode == "gpu" and gpu_unavailable() is None:
+        return Location("gpu", settings.device)
+    return CPU
 
 
 def set_random_seed(seed: int) -> None:

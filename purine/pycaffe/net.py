@@ -17,6 +17,7 @@ from purine.caffe import net as caffe_net
 from purine.caffe.layers import data as data_layers
 from purine.caffe.layers import python as python_layers
 from purine.errors import PurineError
+from purine.pycaffe import mode
 from purine.pycaffe.mode import settings
 
 
@@ -34,7 +35,8 @@ class LayerView:
 class Net(caffe_net.Net):
     """``caffe.Net(model, phase)``, ``caffe.Net(model, weights, phase)`` or
     ``caffe.Net(model, phase, weights=..., level=..., stages=[...])``. Without a seed a net
-    starts from ``set_random_seed``'s, else 0, so its random fillers are reproducible."""
+    starts from ``set_random_seed``'s, else 0, so its random fillers are reproducible; without
+    a location it runs where the mode says (``set_mode_gpu`` and ``set_device``)."""
 
     def __init__(self, model: str | os.PathLike | pb.NetParameter, *args: Any,
                  weights: str | os.PathLike | None = None, phase: int | str | None = None,
@@ -42,6 +44,7 @@ class Net(caffe_net.Net):
                  **kwargs: Any):
         if seed is None:
             seed = settings.seed if settings.seed is not None else 0
+        kwargs.setdefault("location", mode.location())
         super().__init__(model, *args, weights=None if weights is None else os.fspath(weights),
                          phase=phase, level=level, stages=tuple(stages or ()), seed=seed,
                          **kwargs)

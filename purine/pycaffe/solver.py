@@ -1,12 +1,14 @@
 """pycaffe's solvers: ``caffe.SGDSolver(path)`` and its siblings use their own update rule
 whatever the file's ``type`` says (as the C++ classes do); ``caffe.get_solver(path)`` uses
-the file's. Their ``net`` and ``test_nets`` are pycaffe Nets."""
+the file's. Their ``net`` and ``test_nets`` are pycaffe Nets, run where the mode says
+(``set_mode_gpu``, ``set_device``) when the solver was made."""
 
 from __future__ import annotations
 
 import os
 
 from purine.caffe import solver as caffe_solver
+from purine.pycaffe import mode
 from purine.pycaffe.mode import settings
 from purine.pycaffe.net import Net
 
@@ -24,6 +26,7 @@ class Solver(caffe_solver.Solver):
         if param.random_seed < 0 and settings.seed is not None:
             param.random_seed = settings.seed
         source = os.fspath(path)
+        kwargs.setdefault("location", mode.location())
         super().__init__(param, path=source if os.path.exists(source) else "", **kwargs)
         Net.adopt(self.net)
         for n in self.test_nets:

@@ -1,7 +1,8 @@
 """The ``Python`` layer: a user's class (pycaffe's ``caffe.Layer``) named by ``python_param``
 run as graph ops, and the blob objects its methods see. Set-up and the first reshape run at
 build time and fix the top shapes; the forward op calls ``reshape`` then ``forward``, the
-backward op calls ``backward``, with the blobs' arrays bound to the net's storage."""
+backward op calls ``backward``, with the blobs' arrays bound to the net's storage. A rebuild
+(the net reshaped) keeps the user's object and calls only its ``reshape``, as Caffe does."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ class PyBlob(LegacyAxes):
     """A blob as a Python layer sees it (pycaffe's ``Blob``): ``data`` and ``diff`` arrays,
     ``shape``, the legacy ``num``/``channels``/``height``/``width``, ``count``, ``reshape``.
 
-    After the net is built the shape is the graph's and fixed: ``reshape`` to the same shape
-    is a no-op (pycaffe layers reshape their tops at every forward), to another an error."""
+    After the net is built the shape is the graph's and fixed until the net is rebuilt
+    (reshaped): ``reshape`` to the same shape is a no-op (pycaffe layers reshape their tops
+    at every forward), to another an error."""
 
     def __init__(self, shape: Sequence[int] | None = None, dtype: Any = np.float32,
                  name: str = ""):
@@ -80,8 +82,10 @@ class PyBlob(LegacyAxes):
             return
         if self._fixed is not None:
             raise LayerError(self._fixed, "Python", f"reshape of blob '{self.name}' from "
-                             f"{self.shape} to {new} after set-up: purine-caffe builds the net "
-                             "with the shapes the first reshape() gave, and they cannot change")
+                             f"{self.shape} to {new} during forward: the net's graph holds the "
+                             "shapes reshape() gave when it was built; a new shape needs a "
+                             "rebuild first (net.reshape(), or reshaping an input blob, calls "
+                             "reshape() again; a solver's train net cannot be rebuilt)")
         self._shape = new
         self._data = self._diff = self._spare_diff = None
 
@@ -169,6 +173,17 @@ def _caffe_shim() -> None:
     pycaffe.install_as_caffe()
 
 
+def _previous(L: LayerBuild) -> _Instance | None:
+    """This layer's instance in the build that ``L``'s net replaces (a reshape), if any."""
+    before = L.net.previous
+    if before is None:
+        return None
+    for P in before.layers:
+        if P.name == L.name:
+            return _INSTANCES.get(P)
+    return None
+
+
 def _load(L: LayerBuild, module: str, name: str) -> type:
     _caffe_shim()
     try:
@@ -207,27 +222,32 @@ def python_layer(L: LayerBuild):
     if not p.module or not p.layer:
         raise L.error("python_param needs both 'module' and 'layer' (the class name)")
     where = f"{p.module}.{p.layer}"
-    cls = _load(L, p.module, p.layer)
-    try:
-        obj = cls(L.param)
-    except Exception as e:
-        raise L.error(f"{where}(param) raised {type(e).__name__}: {e}") from e
-    if not isinstance(getattr(obj, "blobs", None), BlobVec):
-        obj.blobs = BlobVec()
-    obj.param_str = p.param_str
-    obj.phase = L.phase
+    before = _previous(L)
+    if before is not None:  # a rebuild: the user's object goes on, set up already
+        obj = before.obj
+    else:
+        cls = _load(L, p.module, p.layer)
+        try:
+            obj = cls(L.param)
+        except Exception as e:
+            raise L.error(f"{where}(param) raised {type(e).__name__}: {e}") from e
+        if not isinstance(getattr(obj, "blobs", None), BlobVec):
+            obj.blobs = BlobVec()
+        obj.param_str = p.param_str
+        obj.phase = L.phase
     # share_in_parallel only matters to Caffe's multi-GPU workers, which share one object
     # per layer here anyway.
 
     dtype = np.dtype(L.net.dtype)
     bottoms = [PyBlob(b.shape, dtype, name) for b, name in zip(L.bottoms, L.param.bottom)]
     tops = []
-    for name in L.param.top:
+    for i, name in enumerate(L.param.top):
         if name in L.param.bottom:  # in place: the top is the bottom's blob, as in Caffe
             tops.append(bottoms[list(L.param.bottom).index(name)])
-        else:
-            tops.append(PyBlob(None, dtype, name))
-    _call(L.name, where, obj, "setup", bottoms, tops)
+        else:  # a rebuilt layer's tops start at their last shapes, as Caffe's blobs do
+            tops.append(PyBlob(before.tops[i]._shape if before else None, dtype, name))
+    if before is None:
+        _call(L.name, where, obj, "setup", bottoms, tops)
     _call(L.name, where, obj, "reshape", bottoms, tops)
     for w in tops:
         if w._shape is None:
