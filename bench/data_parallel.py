@@ -39,7 +39,7 @@ def database(name: str, tmp: str) -> str:
         images, labels = load_mnist_5k()
         write_mnist_lmdb(path, images, labels)
     else:
-        from converters.convert_imageset import write_images
+        from purine.converters.convert_imageset import write_images
 
         rng = np.random.default_rng(0)
         records = ((f"{i:08d}", rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), i % 10)

@@ -76,8 +76,8 @@ def ensure_lmdb(path: str, records: int) -> None:
         return
     import numpy as np
 
-    from converters.convert_imageset import write_datums
     from purine.caffe import caffe_pb2 as pb
+    from purine.converters.convert_imageset import write_datums
 
     partial = path + ".partial"
     shutil.rmtree(partial, ignore_errors=True)

@@ -11,11 +11,11 @@ import sys
 
 import numpy as np
 
-from converters import ConvertError, run_main
-from converters.compute_image_mean import mean_blob_bytes
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.caffemodel import atomic_write, blob_to_array, encode_blob
 from purine.caffe.prototxt import read_binary
+from purine.converters import ConvertError, run_main
+from purine.converters.compute_image_mean import mean_blob_bytes
 from purine.errors import ProtoError
 
 

@@ -12,13 +12,13 @@ import zipfile
 
 import numpy as np
 
-from converters import ConvertError, flag, run_main
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.caffemodel import (
     atomic_write,
     encode_net,
     load_weights,
 )
+from purine.converters import ConvertError, flag, run_main
 from purine.log import get_logger
 
 _PHASES = {"TRAIN": pb.TRAIN, "TEST": pb.TEST}

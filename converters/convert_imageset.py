@@ -14,8 +14,8 @@ from typing import NamedTuple, TextIO
 
 import numpy as np
 
-from converters import ConvertError, bool_flag, flag, run_main
 from purine.caffe import caffe_pb2 as pb
+from purine.converters import ConvertError, bool_flag, flag, run_main
 from purine.data.image_list import read_list
 from purine.data.leveldb_source import message as leveldb_message
 from purine.data.leveldb_source import plyvel_module

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from converters import ConvertError, flag, run_main
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.caffemodel import read_caffemodel
+from purine.converters import ConvertError, flag, run_main
 
 if TYPE_CHECKING:
     from purine.caffe.layer import LayerBuild

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from converters import flag, run_main
-from converters.caffemodel_npz import layer_type, legacy_shape_match
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe.caffemodel import blob_to_array, read_caffemodel
+from purine.converters import flag, run_main
+from purine.converters.caffemodel_npz import layer_type, legacy_shape_match
 from purine.errors import ProtoError
 
 _PHASES = {"TRAIN": pb.TRAIN, "TEST": pb.TEST}

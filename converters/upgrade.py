@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 from google.protobuf import text_format
 
-from converters import run_main
 from purine.caffe import caffe_pb2 as pb
 from purine.caffe import upgrade as up
 from purine.caffe.caffemodel import atomic_write
 from purine.caffe.prototxt import read_binary, read_text
+from purine.converters import run_main
 from purine.log import get_logger
 
 
@@ -129,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m converters.upgrade TOOL IN OUT``."""
+    """``python -m purine.converters.upgrade TOOL IN OUT``."""
     return run_main("upgrade", add_arguments, argv)
 
 

@@ -305,7 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "stage", default=None, help="comma-separated NetState stages")
     p.set_defaults(run=cmd_test)
 
-    from converters import binaryproto, compute_image_mean, convert_imageset, extract_features
+    from purine.converters import (
+        binaryproto,
+        compute_image_mean,
+        convert_imageset,
+        extract_features,
+    )
 
     for name, module, text in (
         ("convert_imageset", convert_imageset,
@@ -319,13 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         module.add_arguments(sub.add_parser(name, help=text))
 
-    from converters import upgrade
+    from purine.converters import upgrade
 
     for name, (add, text) in upgrade.TOOLS.items():
         add(sub.add_parser(name, help=text))
 
-    from converters import caffemodel_npz, onnx_export, summary
     from purine import draw
+    from purine.converters import caffemodel_npz, onnx_export, summary
 
     for name, module, text in (
         ("caffemodel_to_npz", caffemodel_npz,

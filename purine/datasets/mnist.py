@@ -61,7 +61,7 @@ def write_mnist_lmdb(path: str | os.PathLike, images: np.ndarray, labels: np.nda
     """A Caffe LMDB at ``path`` (must not exist) written by convert_imageset's writer: one raw
     Datum 1x28x28 uint8 with its label per image, keys ``%08d`` as Caffe's
     convert_mnist_data has them. Returns the record count."""
-    from converters.convert_imageset import write_images
+    from purine.converters.convert_imageset import write_images
 
     images, labels = _check(images, labels)
     records = ((f"{i:08d}", image, int(label))

@@ -281,8 +281,8 @@ CIFAR = os.path.join(ROOT, "models", "cifar10_quick")
 
 @pytest.fixture(scope="module")
 def cifar_files(tmp_path_factory):
-    from converters.convert_imageset import write_images
     from purine.caffe.prototxt import read_net
+    from purine.converters.convert_imageset import write_images
 
     tmp = tmp_path_factory.mktemp("cifar")
     rng = np.random.default_rng(1)

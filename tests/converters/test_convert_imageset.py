@@ -10,16 +10,16 @@ import lmdb
 import numpy as np
 import pytest
 
-import converters.convert_imageset as ci
-from converters import ConvertError
-from converters.convert_imageset import (
+import purine.converters.convert_imageset as ci
+from purine.caffe import caffe_pb2 as pb
+from purine.converters import ConvertError
+from purine.converters.convert_imageset import (
     Encoded,
     Progress,
     convert_imageset,
     main,
     write_images,
 )
-from purine.caffe import caffe_pb2 as pb
 from tests.converters.helpers import (
     Lines,
     chw_bytes,

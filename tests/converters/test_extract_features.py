@@ -8,11 +8,11 @@ import plyvel
 import pytest
 
 import purine.backend
-from converters import ConvertError
-from converters.extract_features import extract_features, main
 from purine import cli
 from purine.caffe import TEST, Net
 from purine.caffe import caffe_pb2 as pb
+from purine.converters import ConvertError
+from purine.converters.extract_features import extract_features, main
 from purine.errors import PurineError
 from tests.converters.helpers import Lines, read_lmdb
 from tests.data.helpers import images, raw_datum, write_lmdb
@@ -189,5 +189,5 @@ def test_an_error_mid_run_leaves_no_database(tmp_path, model):
                          log=Lines().log)
     assert not (tmp_path / "out").exists()
     with pytest.raises(ConvertError, match="blob 'x' has shape"):
-        from converters.extract_features import _legacy_dims
+        from purine.converters.extract_features import _legacy_dims
         _legacy_dims("x", (1, 2, 3, 4, 5))

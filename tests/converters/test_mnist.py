@@ -8,7 +8,7 @@ import cv2
 import numpy as np
 import pytest
 
-from converters.convert_imageset import convert_imageset
+from purine.converters.convert_imageset import convert_imageset
 from purine.datasets import mnist
 from purine.datasets.mnist import (
     load_mnist_5k,

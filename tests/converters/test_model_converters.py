@@ -7,8 +7,12 @@ import os
 import numpy as np
 import pytest
 
-from converters import ConvertError
-from converters.caffemodel_npz import (
+from purine.caffe import TEST, Net
+from purine.caffe import caffe_pb2 as pb
+from purine.caffe.caffemodel import load_weights
+from purine.caffe.prototxt import read_net
+from purine.converters import ConvertError
+from purine.converters.caffemodel_npz import (
     caffemodel_to_npz,
     layer_type,
     main,
@@ -16,12 +20,8 @@ from converters.caffemodel_npz import (
     npz_to_caffemodel,
     read_npz,
 )
-from converters.summary import main as summary_main
-from converters.summary import summarize
-from purine.caffe import TEST, Net
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import load_weights
-from purine.caffe.prototxt import read_net
+from purine.converters.summary import main as summary_main
+from purine.converters.summary import summarize
 from tests.converters.helpers import Lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -370,7 +370,7 @@ def assert_agrees(model, net, feeds, expect=()):
 
 
 def exported(tmp_path, text, seed=0, scale=0.5):
-    from converters.onnx_export import OPSET, caffe_to_onnx
+    from purine.converters.onnx_export import OPSET, caffe_to_onnx
 
     onnx, _ = onnx_modules()
     model = write(tmp_path, "deploy.prototxt", text)
@@ -384,7 +384,7 @@ def exported(tmp_path, text, seed=0, scale=0.5):
 
 
 def test_onnx_lenet(tmp_path, capsys):
-    from converters.onnx_export import main as onnx_main
+    from purine.converters.onnx_export import main as onnx_main
 
     onnx_modules()
     param = read_net(LENET)
@@ -457,7 +457,7 @@ def test_onnx_pooling_matches_caffe_rounding(tmp_path, size, kernel, stride, pad
 
 
 def test_onnx_refusals(tmp_path):
-    from converters.onnx_export import caffe_to_onnx, main
+    from purine.converters.onnx_export import caffe_to_onnx, main
 
     onnx_modules()
     base = """layer { name: "data" type: "Input" top: "data"

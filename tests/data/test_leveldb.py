@@ -13,12 +13,12 @@ import numpy as np
 import plyvel
 import pytest
 
-from converters.compute_image_mean import compute_image_mean
-from converters.compute_image_mean import main as mean_main
-from converters.convert_imageset import convert_imageset
-from converters.convert_imageset import main as convert_main
 from purine.caffe import TEST, TRAIN
 from purine.caffe.solver import Solver
+from purine.converters.compute_image_mean import compute_image_mean
+from purine.converters.compute_image_mean import main as mean_main
+from purine.converters.convert_imageset import convert_imageset
+from purine.converters.convert_imageset import main as convert_main
 from purine.data import DataError
 from purine.data.leveldb_source import LevelDBSource
 from purine.errors import LayerError, PurineError

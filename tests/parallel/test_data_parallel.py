@@ -75,7 +75,7 @@ def test_replicas_in_other_memory_spaces_copy_weights_in_and_gradients_home(mnis
 
 @pytest.fixture(scope="module")
 def cifar_db(tmp_path_factory):
-    from converters.convert_imageset import write_images
+    from purine.converters.convert_imageset import write_images
 
     rng = np.random.default_rng(1)
     path = tmp_path_factory.mktemp("cifar") / "train_lmdb"

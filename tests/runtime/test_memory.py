@@ -242,7 +242,7 @@ def mnist_db(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cifar_db(tmp_path_factory):
-    from converters.convert_imageset import write_images
+    from purine.converters.convert_imageset import write_images
 
     rng = np.random.default_rng(1)
     path = tmp_path_factory.mktemp("cifar") / "train_lmdb"
