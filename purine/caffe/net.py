@@ -418,7 +418,8 @@ class Net:
         self._staged: dict[str, np.ndarray] = {}
         self._staged_diffs: dict[str, np.ndarray] = {}
         self._shared_with: Net | None = None
-        self.solver_owned = False
+        # A solver's train net: the solver rebuilds it (``reshape``), its update ops with it.
+        self.rebuilder: Callable[[], None] | None = None
         self.closed = False
         self._build()
         if weights is not None:
@@ -550,17 +551,14 @@ class Net:
         built = blob.shape
         if any(d < 0 for d in shape):
             raise PurineError(f"blob '{name}': negative dimension in reshape{shape}")
-        current = self.builder.data.get(name) is blob
-        # A solver's net keeps the request too, and refuses it when it would run.
-        if not current or (name not in self.inputs and not self.solver_owned):
+        if self.builder.data.get(name) is not blob or name not in self.inputs:
             if shape == built:
                 return
             raise PurineError(
                 f"net '{self.model.name}': blob '{name}' {built} cannot be reshaped to {shape}: "
                 "only the net's input blobs (" + ", ".join(self.inputs) + ") take shapes of "
                 "their own; the other blobs' follow from the layers that write them")
-        if name in self.inputs:
-            self._input_shapes[name] = shape
+        self._input_shapes[name] = shape
         self._staged_diffs.pop(name, None)
         if shape == built:  # back to the built shape: no rebuild needed
             self._staged.pop(name, None)
@@ -579,14 +577,15 @@ class Net:
     def reshape(self) -> None:
         """Rebuild with the shapes given to ``blobs[name].reshape`` (Caffe's Net::Reshape),
         keeping parameters, the input blobs' values, data cursors and Python layers' objects
-        (their ``reshape`` runs again and may give their tops new shapes)."""
+        (their ``reshape`` runs again and may give their tops new shapes). A solver's train
+        net is rebuilt by its solver, which rebuilds its update ops on the new graph."""
         self._check_open()
-        if self.solver_owned:
-            asked = "".join(f"; input blob '{n}' {self.builder.data[n].shape} was reshaped to "
-                            f"{a.shape}" for n, a in self._staged.items())
-            raise PurineError(f"net '{self.model.name}' belongs to a solver, whose update ops "
-                              f"use its blobs, and cannot be reshaped{asked}: give the new "
-                              "shape in the net's prototxt, or reshape a net of your own")
+        if self.rebuilder is not None:
+            self.rebuilder()
+        else:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
         params = {p.name: self.dispatcher.array(p).copy() for ps in self.builder.layers
                   for p in ps.params}
         inputs = {n: self._staged.get(n) for n in self.inputs}

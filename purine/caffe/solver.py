@@ -168,7 +168,7 @@ class Solver:
         try:
             self.net = Net(train_param, phase=TRAIN, level=lv, stages=st, seed=seed + first,
                            threads=threads, replica=(first, total), location=location)
-            self.net.solver_owned = True  # its blobs feed the update ops: no reshape
+            self.net.rebuilder = self._reshape_net  # its update ops are rebuilt with it
             self._check_regularization()
             self.trace_path: str | None = None  # write a Chrome trace of the next iteration
             if replicas > 1:  # data parallelism: the other replicas join the net's graph
@@ -188,16 +188,13 @@ class Solver:
             for i, tp in enumerate(test_params):
                 s = p.test_state[i] if i < len(p.test_state) else pb.NetState()
                 lv, st = state(s)
-                tn = Net(tp, phase=TEST, level=lv, stages=st, seed=seed, threads=threads,
-                         location=location)
-                tn.share_with(self.net)
-                self.test_nets.append(tn)
-            self._build_update()
+                self.test_nets.append(Net(tp, phase=TEST, level=lv, stages=st, seed=seed,
+                                          threads=threads, location=location))
+            self.share_memory = share_memory
+            self._build_train()
             self.smoothed: deque[float] = deque(maxlen=max(1, p.average_loss))
             self.requested: Callable[[], str] = lambda: "none"
             self.last_test: list[dict[str, np.ndarray]] = []
-            if share_memory:
-                self._share_memory()
             self._load_weights(base)
         except BaseException:  # the databases the nets opened so far are free again
             self.close()
@@ -331,7 +328,41 @@ class Solver:
                              f"{n_test} test nets")
         return train, tests
 
-    # -- the update subgraph -----------------------------------------------------------
+    # -- the train side: update subgraph, test nets' weights, memory plan -----------------
+    def _build_train(self) -> None:
+        """What the solver adds to the train net's current build: the test nets' weights
+        bound to its parameters, the update ops, and the memory plan (``share_memory``).
+        Run at construction and again after each rebuild of the train net."""
+        for tn in self.test_nets:
+            tn.share_with(self.net)
+        self._build_update()
+        if self.share_memory:
+            self._share_memory()
+
+    def _reshape_net(self) -> None:
+        """Rebuild the train net for its inputs' new shapes (Caffe reshapes it at the next
+        step) and the train side over it. The net keeps its weights, inputs, data cursors and
+        random streams; the solver its history and iteration (so the learning rate)."""
+        # Replicas' ops are woven into the train net's graph (AsyncSolver's: ``workers``).
+        workers = getattr(self, "workers", None)
+        why = (f"{self.mpi.total} replicas over MPI ranks" if self.mpi else
+               f"{self.replicas.count} data-parallel replicas" if self.replicas else
+               f"{len(workers)} asynchronous replicas" if workers else None)
+        if why:
+            asked = "".join(f"; input blob '{n}' {self.net.builder.data[n].shape} was reshaped "
+                            f"to {a.shape}" for n, a in self.net._staged.items())
+            raise PurineError(f"solver {self._where()}: the train net of a solver training "
+                              f"{why} cannot be rebuilt{asked}: give the new shape in the "
+                              "net's prototxt")
+        d = self.net.dispatcher
+        history = [d.array(h).copy() for h in self._history()]
+        it = self.iter
+        self.net._rebuild()
+        self._build_train()
+        for h, a in zip(self._history(), history, strict=True):
+            assign(self.net.dispatcher.array(h), a)
+        self.iter = it
+
     def _build_update(self) -> None:
         p, net = self.param, self.net
         b, g = net.builder, net.graph
@@ -505,7 +536,7 @@ class Solver:
         if self.closed:
             raise PurineError(f"solver {self._where()} is closed: its nets' data sources are "
                               "released; build a new solver to train again")
-        self.net.reshape_if_needed()  # an input blob reshaped: refused, naming the blob
+        self.net.reshape_if_needed()  # an input blob reshaped: the train side is rebuilt
         if self.replicas:  # replicas on concurrent workers: one BLAS thread each
             with one_blas_thread():
                 self._step(iters)

@@ -1,7 +1,8 @@
 """pycaffe's solvers: ``caffe.SGDSolver(path)`` and its siblings use their own update rule
 whatever the file's ``type`` says (as the C++ classes do); ``caffe.get_solver(path)`` uses
 the file's. Their ``net`` and ``test_nets`` are pycaffe Nets, run where the mode says
-(``set_mode_gpu``, ``set_device``) when the solver was made."""
+(``set_mode_gpu``, ``set_device``) when the solver was made; reshaping ``net``'s inputs
+between steps rebuilds it with the update ops, as Caffe's next step reshapes its net."""
 
 from __future__ import annotations
 

@@ -168,11 +168,11 @@ def test_solver_settings_caffe_refuses_are_refused():
         read_solver(solver_text(type='"RMSProp"', momentum=0, rms_decay=1.5))
 
 
-def test_a_solvers_net_cannot_be_reshaped_and_bad_settings_are_named(tmp_path):
-    s = Solver(solver_text())
-    s.net.blobs["x"].reshape(2, 4)
-    with pytest.raises(PurineError, match="belongs to a solver"):
-        s.net.reshape()
+def test_a_solvers_net_reshapes_only_inputs_and_bad_settings_are_named(tmp_path):
+    s = Solver(solver_text())  # x is DummyData's: its shape follows from the layer
+    with pytest.raises(PurineError, match=r"blob 'x' \(6, 4\) cannot be reshaped to "
+                                          r"\(2, 4\): only the net's input blobs"):
+        s.net.blobs["x"].reshape(2, 4)
     with pytest.raises(ProtoError, match="iter_size must be at least 1"):
         read_solver(solver_text(iter_size=0))
     with pytest.raises(ProtoError, match="snapshot_prefix .* does not exist"):

@@ -85,7 +85,7 @@ class PyBlob(LegacyAxes):
                              f"{self.shape} to {new} during forward: the net's graph holds the "
                              "shapes reshape() gave when it was built; a new shape needs a "
                              "rebuild first (net.reshape(), or reshaping an input blob, calls "
-                             "reshape() again; a solver's train net cannot be rebuilt)")
+                             "reshape() again, also in a solver's train net)")
         self._shape = new
         self._data = self._diff = self._spare_diff = None
 
