@@ -32,8 +32,8 @@ NETS = {
 
 def train_net_param(name: str):
     """The TRAIN net with its data layers replaced by Input layers of the bench shapes."""
-    from purine.caffe import caffe_pb2 as pb
-    from purine.caffe.prototxt import filter_net, read_net, replace_data_layers
+    from purine.formats import caffe_pb2 as pb
+    from purine.formats.prototxt import filter_net, read_net, replace_data_layers
 
     path, shape = NETS[name]
     net = filter_net(read_net(os.path.join(ROOT, path)), pb.NetState(phase=pb.TRAIN))

@@ -30,7 +30,7 @@ import lmdb  # noqa: E402
 import numpy as np  # noqa: E402
 
 from purine.caffe import TRAIN, Net  # noqa: E402
-from purine.caffe import caffe_pb2 as pb  # noqa: E402
+from purine.formats import caffe_pb2 as pb  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cpu_nets import NETS, inputs, train_net_param  # noqa: E402

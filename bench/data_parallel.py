@@ -23,9 +23,9 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from purine.caffe.prototxt import read_net  # noqa: E402
 from purine.caffe.solver import Solver, read_solver  # noqa: E402
 from purine.datasets.mnist import load_mnist_5k, write_mnist_lmdb  # noqa: E402
+from purine.formats.prototxt import read_net  # noqa: E402
 from purine.zoo import model_file  # noqa: E402
 
 NETS = {"lenet": ("lenet/lenet_train_test.prototxt", "lenet/lenet_solver.prototxt"),

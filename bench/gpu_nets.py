@@ -76,8 +76,8 @@ def ensure_lmdb(path: str, records: int) -> None:
         return
     import numpy as np
 
-    from purine.caffe import caffe_pb2 as pb
     from purine.converters.convert_imageset import write_datums
+    from purine.formats import caffe_pb2 as pb
 
     partial = path + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
@@ -97,8 +97,8 @@ def ensure_lmdb(path: str, records: int) -> None:
 # -- purine-caffe ------------------------------------------------------------------------
 def memory_net(name: str, batch: int):
     """The TRAIN net with its data layers replaced by Input layers of the bench's shapes."""
-    from purine.caffe import caffe_pb2 as pb
-    from purine.caffe.prototxt import filter_net, read_net, replace_data_layers
+    from purine.formats import caffe_pb2 as pb
+    from purine.formats.prototxt import filter_net, read_net, replace_data_layers
 
     path, shape = NETS[name][:2]
     net = filter_net(read_net(os.path.join(ROOT, path)), pb.NetState(phase=pb.TRAIN))
@@ -108,8 +108,8 @@ def memory_net(name: str, batch: int):
 def lmdb_net(db: str, batch: int):
     """AlexNet's TRAIN net with its Data layer reading ``db``: crop 227, mirror, mean_value
     instead of the mean file."""
-    from purine.caffe import caffe_pb2 as pb
-    from purine.caffe.prototxt import filter_net, read_net
+    from purine.formats import caffe_pb2 as pb
+    from purine.formats.prototxt import filter_net, read_net
 
     net = filter_net(read_net(os.path.join(ROOT, NETS["alexnet"][0])),
                      pb.NetState(phase=pb.TRAIN))
@@ -126,7 +126,7 @@ def lmdb_net(db: str, batch: int):
 
 
 def solver_param(net, gpu: bool):
-    from purine.caffe import caffe_pb2 as pb
+    from purine.formats import caffe_pb2 as pb
 
     p = pb.SolverParameter(lr_policy="fixed", max_iter=10**8, display=0, snapshot=0,
                            snapshot_after_train=False, random_seed=1, **SOLVER)

@@ -22,8 +22,8 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 from purine.caffe import TEST, Net  # noqa: E402
-from purine.caffe import caffe_pb2 as pb  # noqa: E402
-from purine.caffe.caffemodel import atomic_write, net_chunks  # noqa: E402
+from purine.formats import caffe_pb2 as pb  # noqa: E402
+from purine.formats.caffemodel import atomic_write, net_chunks  # noqa: E402
 from purine.zoo import model_file  # noqa: E402
 
 

@@ -11,12 +11,12 @@ import sys
 
 import numpy as np
 
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import atomic_write, blob_to_array, encode_blob
-from purine.caffe.prototxt import read_binary
 from purine.converters import ConvertError, run_main
 from purine.converters.compute_image_mean import mean_blob_bytes
 from purine.errors import ProtoError
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import atomic_write, blob_to_array, encode_blob
+from purine.formats.prototxt import read_binary
 
 
 def read_binaryproto(path: str | os.PathLike) -> np.ndarray:

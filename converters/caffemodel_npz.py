@@ -12,13 +12,14 @@ import zipfile
 
 import numpy as np
 
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import (
+from purine.converters import ConvertError, flag, run_main
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import (
     atomic_write,
     encode_net,
     load_weights,
 )
-from purine.converters import ConvertError, flag, run_main
+from purine.formats.prototxt import read_net
 from purine.log import get_logger
 
 _PHASES = {"TRAIN": pb.TRAIN, "TEST": pb.TEST}
@@ -98,7 +99,6 @@ def npz_to_caffemodel(model: str | os.PathLike | pb.NetParameter, src: str | os.
     the net's shape (a legacy 4-d shape of the same values is accepted); a layer sharing
     another's blob (ParamSpec name) may leave it out. Returns the number of arrays used."""
     from purine.caffe.net import NetBuilder
-    from purine.caffe.prototxt import read_net
 
     log = log or get_logger()
     src = os.fspath(src)

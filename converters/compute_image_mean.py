@@ -12,13 +12,13 @@ from collections.abc import Iterator
 import numpy as np
 from google.protobuf import message
 
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import atomic_write
-from purine.caffe.wire import len_field, varint
 from purine.converters import ConvertError, flag, run_main
 from purine.data import db as dbs
 from purine.data.leveldb_source import message as leveldb_message
 from purine.data.leveldb_source import plyvel_module
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import atomic_write
+from purine.formats.wire import len_field, varint
 from purine.log import get_logger
 
 BATCH = 256  # raw datums summed per numpy call

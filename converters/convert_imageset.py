@@ -14,11 +14,11 @@ from typing import NamedTuple, TextIO
 
 import numpy as np
 
-from purine.caffe import caffe_pb2 as pb
 from purine.converters import ConvertError, bool_flag, flag, run_main
 from purine.data.image_list import read_list
 from purine.data.leveldb_source import message as leveldb_message
 from purine.data.leveldb_source import plyvel_module
+from purine.formats import caffe_pb2 as pb
 from purine.log import get_logger
 
 COMMIT_EVERY = 1000  # records per transaction, as Caffe's tools commit

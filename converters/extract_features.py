@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from purine.caffe import caffe_pb2 as pb
 from purine.converters import ConvertError, run_main
 from purine.converters.convert_imageset import COMMIT_EVERY, DBWriter
+from purine.formats import caffe_pb2 as pb
 from purine.log import get_logger
 
 

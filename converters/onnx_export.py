@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import read_caffemodel
 from purine.converters import ConvertError, flag, run_main
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import atomic_write, read_caffemodel
 
 if TYPE_CHECKING:
     from purine.caffe.layer import LayerBuild
@@ -534,7 +534,6 @@ def caffe_to_onnx(model: str | os.PathLike | pb.NetParameter, weights: str | os.
                   output: str | os.PathLike) -> Any:
     """Export deploy net ``model`` with the parameters of caffemodel ``weights`` to the ONNX
     file ``output``; returns the ModelProto."""
-    from purine.caffe.caffemodel import atomic_write
     from purine.caffe.net import Net
 
     _onnx()  # say what to install before building a large net

@@ -12,11 +12,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import blob_to_array, read_caffemodel
 from purine.converters import flag, run_main
 from purine.converters.caffemodel_npz import layer_type, legacy_shape_match
 from purine.errors import ProtoError
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import blob_to_array, read_caffemodel
+from purine.formats.prototxt import read_net
 
 _PHASES = {"TRAIN": pb.TRAIN, "TEST": pb.TEST}
 
@@ -94,7 +95,6 @@ def _summary_file(path: str, name: str, layers: list[_FileLayer]) -> str:
 def _summary_net(path: str, name: str, layers: list[_FileLayer],
                  model: str | os.PathLike, phase: int) -> str:
     from purine.caffe.net import NetBuilder
-    from purine.caffe.prototxt import read_net
 
     builder = NetBuilder(read_net(model), phase)
     in_file = {fl.name: fl for fl in layers}

@@ -12,11 +12,11 @@ from collections.abc import Callable
 
 from google.protobuf import text_format
 
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe import upgrade as up
-from purine.caffe.caffemodel import atomic_write
-from purine.caffe.prototxt import read_binary, read_text
 from purine.converters import run_main
+from purine.formats import caffe_pb2 as pb
+from purine.formats import upgrade as up
+from purine.formats.caffemodel import atomic_write
+from purine.formats.prototxt import read_binary, read_text
 from purine.log import get_logger
 
 

@@ -26,7 +26,7 @@ def cmd_time(args: argparse.Namespace) -> int:
     gpus = _gpus(args)
     model, placement = args.model, None
     if args.placement:
-        from purine.caffe.prototxt import read_net
+        from purine.formats.prototxt import read_net
         from purine.parallel.placement import place
 
         split = place(read_net(args.model), args.placement, phase=TRAIN, level=args.level,

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import read_net
 from purine.caffe.solver import Solver, read_solver
 from purine.datasets.mnist import split_mnist_5k, write_mnist_lmdb
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import read_net
 from purine.log import get_logger
 from purine.zoo import model_file
 

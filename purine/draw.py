@@ -13,8 +13,16 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from purine.caffe import caffe_pb2 as pb
 from purine.errors import PurineError, run_reporting
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import atomic_write
+from purine.formats.prototxt import (
+    filter_net,
+    is_data_layer,
+    read_net,
+    replace_data_layers,
+    state_meets_rule,
+)
 
 if TYPE_CHECKING:
     from purine.caffe.net import NetBuilder
@@ -184,8 +192,6 @@ def _layer_label(lp: pb.LayerParameter) -> str:
 
 def _phases(lp: pb.LayerParameter) -> frozenset[int]:
     """The phases whose nets hold layer ``lp`` (its include / exclude rules by phase)."""
-    from purine.caffe.prototxt import state_meets_rule
-
     out = set()
     for phase in (pb.TRAIN, pb.TEST):
         state = pb.NetState(phase=phase)
@@ -204,8 +210,6 @@ def layers_dot(param: pb.NetParameter, *, phase: int | None = None, rankdir: str
     blob from the layer that last wrote it to each reader, labelled with the blob's name;
     blobs no layer reads end in an ellipse. Without a phase, layers of different phases
     writing one blob (a TRAIN and a TEST data layer) are alternatives, both drawn."""
-    from purine.caffe.prototxt import filter_net
-
     if phase is not None:
         param = filter_net(param, pb.NetState(phase=phase))
     suffix = f" ({pb.Phase.Name(phase)})" if phase is not None else ""
@@ -249,15 +253,11 @@ def layers_dot(param: pb.NetParameter, *, phase: int | None = None, rankdir: str
 # -- building what is drawn ---------------------------------------------------------------
 def _stand_ins(param: pb.NetParameter, stand_in: Mapping[str, Sequence[int]]
                ) -> pb.NetParameter:
-    from purine.caffe.prototxt import replace_data_layers
-
     return replace_data_layers(param, {k: tuple(v) for k, v in stand_in.items()}) \
         if stand_in else param
 
 
 def _build_hint(e: PurineError, param: pb.NetParameter) -> DrawError:
-    from purine.caffe.prototxt import is_data_layer
-
     data = [lp for lp in param.layer if is_data_layer(lp)]
     hint = ""
     if data:
@@ -273,7 +273,6 @@ def build_net(model: str | os.PathLike | pb.NetParameter, phase: int,
     """The graph of the net for ``phase`` (no arrays are allocated), data layers replaced
     by Input layers of ``stand_in`` shapes."""
     from purine.caffe.net import NetBuilder
-    from purine.caffe.prototxt import read_net
 
     param = _stand_ins(read_net(model), stand_in or {})
     try:
@@ -283,8 +282,6 @@ def build_net(model: str | os.PathLike | pb.NetParameter, phase: int,
 
 
 def _train_net_param(sp: pb.SolverParameter, path: str) -> pb.NetParameter:
-    from purine.caffe.prototxt import read_net
-
     given = [f for f in ("net", "net_param", "train_net", "train_net_param") if sp.HasField(f)]
     if len(given) != 1:
         raise DrawError(f"solver {path}: give exactly one of net, net_param, train_net, "
@@ -322,8 +319,6 @@ def build_solver(path: str | os.PathLike, stand_in: Mapping[str, Sequence[int]] 
 def write(text: str, output: str | os.PathLike) -> None:
     """Write dot ``text`` to ``output``: as is for .dot/.gv, rendered by Graphviz's ``dot``
     for .svg/.png/.pdf (to a temporary file, then renamed)."""
-    from purine.caffe.caffemodel import atomic_write
-
     path = os.fspath(output)
     suffix = os.path.splitext(path)[1].lower()
     if suffix in TEXT_SUFFIXES:
@@ -365,7 +360,6 @@ def draw(output: str | os.PathLike, *, model: str | os.PathLike | None = None,
     """Draw ``model`` (built for ``phase``, default TRAIN) or the train net of ``solver``
     with its update ops; ``layers``: Caffe's layer view instead of the bi-graph (of the
     layers of ``phase``, default all). Returns the dot text."""
-    from purine.caffe.prototxt import read_net
     from purine.caffe.solver import read_solver
 
     if (model is None) == (solver is None):

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Check that purine/caffe/caffe_pb2.py works with the oldest and the newest
+# Check that purine/formats/caffe_pb2.py works with the oldest and the newest
 # supported protobuf runtimes (4.21.12 and the latest 7.x), each with both the
 # default (upb) backend and the pure-Python backend.
 #
-# For each runtime a throwaway venv gets only protobuf + pytest + numpy, and
+# For each runtime a throwaway venv gets only protobuf + pytest, and
 # tests/caffe/test_proto.py runs with PYTHONPATH set to the repo root (purine is
 # not installed, so nothing beyond caffe_pb2's own imports is required).
 # grpcio-tools is deliberately absent there, so the staleness test skips.
@@ -27,7 +27,7 @@ for spec in "${RUNTIMES[@]}"; do
     echo "=== $spec: creating venv"
     "$PYTHON" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-        "$spec" pytest numpy
+        "$spec" pytest
     version="$("$venv/bin/python" -c 'import google.protobuf as p; print(p.__version__)')"
     for impl in default python; do
         if [ "$impl" = python ]; then

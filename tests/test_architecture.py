@@ -50,7 +50,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "backend": (*BASE, "graph"),           # the array module per Location, devices, streams
     "ops": (*BASE, "backend"),             # kernels over arrays; no graphs, no Caffe
     "runtime": (*BASE, "graph", "backend", "ops"),  # dispatcher, memory planner, trace
-    "formats": BASE,                       # Caffe's files (issue 14 step 1): caffe_pb2, codecs
+    "formats": BASE,                       # Caffe's files: caffe_pb2, readers, upgrade, codecs
     "data": (*BASE, "backend", "formats"),  # sources, Datum decoding, transforms; no graphs
     "caffe": (*CORE, "formats", "data"),   # layer registry and builders, Net, Solver
     "parallel": CAFFE,                     # schemes as graph rewrites above the solver
@@ -83,35 +83,20 @@ class KnownEdge:
 
 
 # Root causes, named once (issue 14, first section); each entry of EXCEPTIONS cites one.
-PB2 = "caffe_pb2 and the file codecs live in purine.caffe (its __init__ registers every layer)"
-ADAPTER = "the op adapter kernel()/Stateful lives in the Caffe layer registry, caffe/layer.py"
 SOLVER = "Solver.__init__ wires the parallel schemes in (MPI ranks, replicas)"
 SHIM = "the Python layer builder installs pycaffe's `caffe` alias, an upward call"
 PAIR = "two modules that import each other"
 
 E = KnownEdge
 EXCEPTIONS: tuple[KnownEdge, ...] = (
-    # data -> caffe: a Datum or a TransformationParameter needs the Caffe package.
-    E("purine.data.datum", "purine.caffe.caffe_pb2", 1, PB2),
-    E("purine.data.datum", "purine.caffe.caffemodel", 1, PB2 + ": blob_to_array"),
-    E("purine.data.datum", "purine.caffe.prototxt", 1, PB2 + ": read_binary"),
-    E("purine.data.transformer", "purine.caffe.caffe_pb2", 1, PB2),
-    # parallel -> the Caffe layer registry, to build an all-reduce or update op.
-    E("purine.parallel", "purine.caffe.layer", 1, ADAPTER),
-    E("purine.parallel.async_ps", "purine.caffe.layer", 1, ADAPTER),
-    E("purine.parallel.mpi", "purine.caffe.layer", 1, ADAPTER),
     # caffe -> parallel: the solver knows the schemes (deferred imports).
     E("purine.caffe.solver", "purine.parallel", 2, SOLVER + ": replicate"),
     E("purine.caffe.solver", "purine.parallel.mpi", 2, SOLVER + ": Ranks"),
     # caffe -> pycaffe (deferred import).
     E("purine.caffe.layers.python", "purine.pycaffe", 4, SHIM),
     # Cycles inside a package: the edge listed is the one the step drops.
-    E("purine.caffe.upgrade", "purine.caffe.prototxt", 1,
-      PAIR + ": upgrade_net_input belongs with the upgrade, read_net calls it (deferred)"),
     E("purine.caffe.layer", "purine.caffe.net", 4,
       PAIR + ": LayerBuild hands add_param/add_op to NetBuilder (type_checking)"),
-    E("purine.data.lmdb_source", "purine.data.leveldb_source", 1,
-      PAIR + ": the shared DatumSource base names LevelDB's reader (type_checking)"),
 )
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from purine.backend import gpu_unavailable
-from purine.caffe import caffe_pb2 as pb
 from purine.errors import PurineError
+from purine.formats import caffe_pb2 as pb
 
 NET = """name: "tiny"
 layer { name: "data" type: "DummyData" top: "data" top: "label" dummy_data_param {

@@ -7,7 +7,7 @@ import sys
 
 import lmdb
 
-from purine.caffe import caffe_pb2 as pb
+from purine.formats import caffe_pb2 as pb
 
 
 def demo(*args: str) -> subprocess.CompletedProcess:

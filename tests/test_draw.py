@@ -10,8 +10,8 @@ import stat
 import pytest
 
 from purine.caffe import TRAIN
-from purine.caffe.prototxt import read_net, replace_data_layers
 from purine.draw import DrawError, build_net, build_solver, draw, layers_dot, main, net_dot, quote
+from purine.formats.prototxt import read_net, replace_data_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENET = os.path.join(ROOT, "models", "lenet", "lenet_train_test.prototxt")

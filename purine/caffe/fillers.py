@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from purine.caffe import caffe_pb2 as pb
 from purine.errors import PurineError
+from purine.formats import caffe_pb2 as pb
 
 _NORM = pb.FillerParameter
 

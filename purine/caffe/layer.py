@@ -18,26 +18,23 @@ which gradients are needed (Caffe's need_backward / loss analysis)::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from purine.backend import RandomStream
-from purine.caffe import caffe_pb2 as pb
 from purine.errors import LayerError
-from purine.graph import Blob, Location, Op
+from purine.formats import caffe_pb2 as pb
+
+# kernel and Stateful live in purine.graph; imported here for this module's use and re-exported
+# for the builders and users that import them from the layer registry.
+from purine.graph import Blob, Location, Op, Stateful, kernel
 from purine.ops import tensor
 
 if TYPE_CHECKING:
     from purine.caffe.net import NetBuilder
 
 Backward = Callable[[], None]
-
-
-class Stateful(Protocol):
-    def state(self) -> dict: ...
-
-    def restore(self, state: dict) -> None: ...
 
 
 Builder = Callable[["LayerBuild"], "Backward | None"]
@@ -70,16 +67,6 @@ def register(*types: str) -> Callable[[Builder], Builder]:
         return fn
 
     return deco
-
-
-def kernel(fn: Callable[..., None], **params: Any) -> Callable[[list, list], None]:
-    """Adapt ``fn(*inputs, *outputs, **params)`` to the op kernel interface."""
-
-    def run(ins: list, outs: list) -> None:
-        fn(*ins, *outs, **params)
-
-    run.__name__ = run.__qualname__ = fn.__name__
-    return run
 
 
 class LayerBuild:

@@ -12,12 +12,14 @@ from typing import Any
 import numpy as np
 
 from purine.backend import assign, is_device_array, to_host
-from purine.caffe import caffe_pb2 as pb
 from purine.caffe.fillers import fill
-from purine.caffe.layer import BUILDERS, LayerBuild, LegacyAxes, Stateful, kernel
-from purine.caffe.prototxt import filter_net, insert_splits, read_net
+from purine.caffe.layer import BUILDERS, LayerBuild, LegacyAxes
 from purine.errors import LayerError, ProtoError, PurineError
-from purine.graph import CPU, Blob, Graph, Location, Op
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import atomic_write, blob_to_array, net_chunks, read_caffemodel
+from purine.formats.hdf5_snapshot import is_hdf5, read_weights, write_weights
+from purine.formats.prototxt import filter_net, insert_splits, read_net
+from purine.graph import CPU, Blob, Graph, Location, Op, Stateful, kernel
 from purine.log import get_logger
 from purine.ops import tensor
 from purine.runtime import Dispatcher
@@ -644,9 +646,6 @@ class Net:
         """Copy parameters from a .caffemodel or, when the file is HDF5 (told by its
         signature, as Caffe's CopyTrainedLayersFrom does), a .caffemodel.h5, by layer name:
         layers it lacks keep theirs; a shape mismatch is an error naming both shapes."""
-        from purine.caffe.caffemodel import blob_to_array, read_caffemodel
-        from purine.caffe.hdf5_snapshot import is_hdf5
-
         if is_hdf5(path):
             self.load_hdf5(path)
             return
@@ -681,8 +680,6 @@ class Net:
         """Copy parameters from a .caffemodel.h5 (``data/<layer>/<i>``), as Caffe's
         CopyTrainedLayersFromHDF5: shapes must match exactly, and a blob may be missing
         only where the layer shares it from another layer."""
-        from purine.caffe.hdf5_snapshot import read_weights
-
         path = os.fspath(path)
         known = set(self.layer_names)
         for name, datasets in read_weights(path).items():
@@ -715,8 +712,6 @@ class Net:
     def save(self, path: str | os.PathLike) -> None:
         """Write the parameters as a .caffemodel (temporary file, then rename): every layer
         with its own blobs, as Caffe's ToProto; a layer repeating a name has none."""
-        from purine.caffe.caffemodel import atomic_write, net_chunks
-
         # Layer by layer: a map by Caffe name would hand a repeat its namesake's blobs.
         chunks = net_chunks(self.model.name, [], {})
         for L in self.builder.layers:
@@ -728,8 +723,6 @@ class Net:
     def save_hdf5(self, path: str | os.PathLike) -> None:
         """Write the parameters as a .caffemodel.h5 in Caffe's layout (a group per layer
         name under ``data``; a shared blob is written by its owner only). Needs h5py."""
-        from purine.caffe.hdf5_snapshot import write_weights
-
         layers = []
         for L in self.builder.layers:
             # As in save(): the net's own layers only. A layer repeating a name (built as

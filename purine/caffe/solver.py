@@ -23,16 +23,28 @@ from typing import Any
 import numpy as np
 
 from purine.backend import assign, is_device_array, one_blas_thread, to_host
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import Chunks, atomic_write, blob_chunks, blob_to_array, nested_field
-from purine.caffe.hdf5_snapshot import INSTALL_HINT, SolverStateH5, have_h5py, read_private
-from purine.caffe.layer import kernel
 from purine.caffe.net import TEST, TRAIN, Net, close_all
-from purine.caffe.prototxt import parse_text, read_message, read_net
-from purine.caffe.upgrade import upgrade_solver
-from purine.caffe.wire import len_field, length_fields
 from purine.errors import ProtoError, PurineError
-from purine.graph import CPU, Blob, Location, Op
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import (
+    Chunks,
+    atomic_write,
+    blob_chunks,
+    blob_to_array,
+    nested_field,
+)
+from purine.formats.hdf5_snapshot import (
+    INSTALL_HINT,
+    SolverStateH5,
+    have_h5py,
+    read_private,
+    read_state,
+    write_state,
+)
+from purine.formats.prototxt import parse_text, read_message, read_net
+from purine.formats.upgrade import upgrade_solver
+from purine.formats.wire import len_field, length_fields
+from purine.graph import CPU, Blob, Location, Op, kernel
 from purine.log import get_logger
 from purine.ops import solver as so
 from purine.ops import tensor
@@ -665,7 +677,6 @@ class Solver:
         return model, state
 
     def _snapshot_hdf5(self, model: str, state: str, private: dict | None) -> None:
-        from purine.caffe.hdf5_snapshot import write_state
 
         self.log.info("Snapshotting to HDF5 file %s", model)
         self.net.save_hdf5(model)
@@ -771,7 +782,6 @@ class Solver:
         self._restore_history(path, state.iter, state.learned_net, state.history, "blobs", fit)
 
     def _restore_hdf5(self, path: str | os.PathLike) -> None:
-        from purine.caffe.hdf5_snapshot import read_state
 
         path = os.fspath(path)
         state = read_state(path)

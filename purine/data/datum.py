@@ -11,11 +11,11 @@ import cv2
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import blob_to_array
-from purine.caffe.prototxt import read_binary
 from purine.data import DataError
 from purine.errors import ProtoError
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import blob_to_array
+from purine.formats.prototxt import read_binary
 
 Image = np.ndarray
 """A decoded image: ``(C, H, W)``, possibly a transposed view of OpenCV's ``(H, W, C)``."""

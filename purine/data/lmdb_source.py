@@ -9,7 +9,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lmdb
 import numpy as np
@@ -19,8 +19,6 @@ from purine.data.datum import datum_image, decode_flag, parse_datum, show_key
 from purine.data.prefetch import Batch, BufferPool, stream_batch
 from purine.data.transformer import Shape, Transformer
 
-if TYPE_CHECKING:
-    from purine.data.leveldb_source import LevelDBReader
 
 class SharedHandles:
     """Handles opened once per process and key (an LMDB environment, a LevelDB), counted by
@@ -77,6 +75,16 @@ def _open(path: str) -> lmdb.Environment:
                                                 max_readers=512))
 
 
+class DatumReader(Protocol):
+    """One thread's cursor over a DatumSource (LMDBReader, LevelDBReader)."""
+
+    def records(self, start: int, n: int) -> list[tuple[bytes, bytes]]:
+        """Records ``start, start+1, ...`` (modulo the record count) as (key, value)."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class DatumSource:
     """A database of Datum records that DatumBatches reads, an LMDB or a LevelDB: ``kind``
     and ``path`` name it in messages, ``reader()`` gives each thread a cursor of its own."""
@@ -120,7 +128,7 @@ class DatumSource:
                              "data layer reads it")
         return DataError(f"{self.kind} '{self.path}' cannot be opened: {detail}")
 
-    def reader(self) -> LMDBReader | LevelDBReader:
+    def reader(self) -> DatumReader:
         raise NotImplementedError
 
     def first(self) -> tuple[bytes, bytes]:
@@ -226,7 +234,7 @@ class DatumBatches:
         """Release the source (its database handle); the readers must be done."""
         self.source.close()
 
-    def read(self, r: LMDBReader | LevelDBReader, k: int, pool: BufferPool) -> Batch:
+    def read(self, r: DatumReader, k: int, pool: BufferPool) -> Batch:
         g = stream_batch(k, self.replica)  # the batch's number in database order
         recs = r.records(self.skip + g * self.batch_size, self.batch_size)
         images, labels = [], np.empty(self.batch_size, self.dtype)

@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from purine.caffe import caffe_pb2 as pb
 from purine.data import DataError
 from purine.data.datum import Image, read_mean, stack
+from purine.formats import caffe_pb2 as pb
 
 Shape = tuple[int, int, int]
 

@@ -10,13 +10,32 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from purine.errors import GraphError
 
 Kernel = Callable[[list[Any], list[Any]], None]
 """An op's kernel: ``kernel(inputs, outputs)`` reads the input arrays and fills the output
 arrays in place (an in-place op gets the same array in both lists)."""
+
+
+def kernel(fn: Callable[..., None], **params: Any) -> Kernel:
+    """Adapt ``fn(*inputs, *outputs, **params)`` to the op kernel interface."""
+
+    def run(ins: list, outs: list) -> None:
+        fn(*ins, *outs, **params)
+
+    run.__name__ = run.__qualname__ = fn.__name__
+    return run
+
+
+class Stateful(Protocol):
+    """Run-time state an op keeps outside its blobs (a random stream, a data cursor), which
+    snapshots save and restore beside the blobs."""
+
+    def state(self) -> dict: ...
+
+    def restore(self, state: dict) -> None: ...
 
 
 @dataclass(frozen=True, order=True)

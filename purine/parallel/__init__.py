@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.layer import Stateful, kernel
 from purine.caffe.net import TRAIN, Net, NetBuilder
-from purine.graph import Blob, Location, Op
+from purine.formats import caffe_pb2 as pb
+from purine.graph import Blob, Location, Op, Stateful, kernel
 from purine.ops import tensor
 
 

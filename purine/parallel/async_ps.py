@@ -27,12 +27,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from purine.backend import one_blas_thread
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.layer import Stateful, kernel
 from purine.caffe.net import TRAIN, NetBuilder
 from purine.caffe.solver import DivergenceError, Solver
 from purine.errors import PurineError
-from purine.graph import Blob, Location, Op
+from purine.formats import caffe_pb2 as pb
+from purine.graph import Blob, Location, Op, Stateful, kernel
 from purine.ops import solver as so
 from purine.ops import tensor
 

@@ -11,9 +11,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from purine.caffe.layer import kernel
 from purine.errors import PurineError
-from purine.graph import Blob, Graph, Location, Op
+from purine.graph import Blob, Graph, Location, Op, kernel
 
 # What mpirun / mpiexec (Open MPI, MPICH's and Intel MPI's Hydra, MVAPICH) tell each process.
 LAUNCHER_SIZE_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")

@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import filter_net, read_net
 from purine.errors import LayerError, ProtoError, PurineError
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import load_weights, save_net
+from purine.formats.prototxt import filter_net, read_net
 from purine.graph import CPU, Location
 
 if TYPE_CHECKING:
@@ -227,8 +228,6 @@ class SplitNet:
         """Copy the original net's parameters (a caffemodel's path, or arrays by layer
         name) into ``net``, a Net of the split net; layers the weights lack keep theirs."""
         if not isinstance(weights, Mapping):
-            from purine.caffe.caffemodel import load_weights
-
             weights = load_weights(weights)
         weights = {name: [self._legacy(net, name, j, np.asarray(a)) for j, a in enumerate(arrays)]
                    for name, arrays in weights.items()}
@@ -248,8 +247,6 @@ class SplitNet:
     def save(self, net: Net, path: str | os.PathLike) -> None:
         """Write ``net``'s (a Net of the split net) parameters as a caffemodel of the
         original net, which Caffe and unsplit nets load."""
-        from purine.caffe.caffemodel import save_net
-
         save_net(self.original.name, [lp for lp in self.original.layer if lp.type != "Split"],
                  self.params(net), path)
 

@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 import cv2
 import numpy as np
 
-from purine.caffe import caffe_pb2
-from purine.caffe.caffemodel import array_to_blob
 from purine.errors import PurineError
+from purine.formats import caffe_pb2
+from purine.formats.caffemodel import array_to_blob
 
 __all__ = [
     "Transformer", "array_to_blobproto", "array_to_datum", "arraylist_to_blobprotovector_str",

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from purine.caffe import caffe_pb2 as pb
 from purine.caffe import net as caffe_net
 from purine.caffe.layers import data as data_layers
 from purine.caffe.layers import python as python_layers
 from purine.errors import PurineError
+from purine.formats import caffe_pb2 as pb
 from purine.pycaffe import mode
 from purine.pycaffe.mode import settings
 

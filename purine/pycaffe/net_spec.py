@@ -9,7 +9,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from purine.caffe import caffe_pb2 as pb
+from purine.formats import caffe_pb2 as pb
 
 __all__ = ["Function", "NetSpec", "Top", "assign_proto", "layers", "param_name_dict",
            "params", "to_proto"]

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from purine.caffe import TRAIN, Net
-from purine.caffe.caffemodel import load_weights
 from purine.caffe.solver import Solver
 from purine.errors import LayerError, PurineError
+from purine.formats.caffemodel import load_weights
 from purine.ops import array as arr
 from tests.gradcheck import check_gradients, gaussian, layer_net, layer_spec
 

@@ -12,8 +12,8 @@ import pytest
 from google.protobuf import text_format
 
 from purine.caffe import TEST, TRAIN, Net
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import filter_net, read_message, read_net, replace_data_layers
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import filter_net, read_message, read_net, replace_data_layers
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "fixtures", "bvlc")

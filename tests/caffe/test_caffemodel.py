@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from purine.caffe import TRAIN, Net
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import blob_to_array, encode_blob, load_weights
 from purine.errors import PurineError
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import blob_to_array, encode_blob, load_weights
 
 NET = """
 name: "tiny"

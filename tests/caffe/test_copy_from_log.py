@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from purine.caffe import TEST, Net
-from purine.caffe import caffe_pb2 as pb
+from purine.formats import caffe_pb2 as pb
 from purine.log import get_logger
 
 GAUSS = 'weight_filler { type: "gaussian" std: 1 } bias_filler { type: "gaussian" std: 1 }'

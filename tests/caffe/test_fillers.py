@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from purine.caffe import caffe_pb2 as pb
 from purine.caffe.fillers import fill
 from purine.errors import PurineError
+from purine.formats import caffe_pb2 as pb
 
 
 def F(**kw) -> pb.FillerParameter:

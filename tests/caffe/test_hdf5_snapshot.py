@@ -211,7 +211,7 @@ def test_a_repeated_layer_name_writes_its_parameters_once(tmp_path):
     """Caffe lets a parameter-free layer repeat a name: the .caffemodel.h5 has one group per
     name (the first layer's), the .caffemodel every layer with its own blobs (none for the
     repeats), and both load back."""
-    from purine.caffe import caffe_pb2 as pb
+    from purine.formats import caffe_pb2 as pb
 
     net = Net(REPEATED, phase=TEST)
     w = net.params["a"][0].data
@@ -281,8 +281,8 @@ CIFAR = os.path.join(ROOT, "models", "cifar10_quick")
 
 @pytest.fixture(scope="module")
 def cifar_files(tmp_path_factory):
-    from purine.caffe.prototxt import read_net
     from purine.converters.convert_imageset import write_images
+    from purine.formats.prototxt import read_net
 
     tmp = tmp_path_factory.mktemp("cifar")
     rng = np.random.default_rng(1)

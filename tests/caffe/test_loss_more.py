@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from purine.caffe import TEST, TRAIN, Net
-from purine.caffe import caffe_pb2 as pb
 from purine.errors import LabelError, LayerError
+from purine.formats import caffe_pb2 as pb
 from purine.ops import loss as ls
 from tests.gradcheck import check_gradients, forward_layer, layer_net, random_labels
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from purine.caffe import TEST, TRAIN, Net
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import filter_net, read_net, replace_data_layers
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import filter_net, read_net, replace_data_layers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODELS = {

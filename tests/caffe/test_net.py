@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from purine.caffe import TEST, TRAIN, Net
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import filter_net, insert_splits, parse_text, replace_data_layers
 from purine.errors import LayerError, ProtoError
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import filter_net, insert_splits, parse_text, replace_data_layers
 
 IP = 'inner_product_param {{ num_output: {n} weight_filler {{ type: "gaussian" std: 1 }} ' \
      'bias_filler {{ type: "gaussian" std: 1 }} }}'

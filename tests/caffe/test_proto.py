@@ -1,8 +1,8 @@
-"""Caffe protobuf schema (proto/caffe.proto) and its bindings (purine/caffe/caffe_pb2.py).
+"""Caffe protobuf schema (proto/caffe.proto) and its bindings (purine/formats/caffe_pb2.py).
 
-Of the project only ``purine.caffe.caffe_pb2`` is imported (plus ``google.protobuf``), so
-this file also runs in the venvs of tests/protobuf_compat.sh, which hold just protobuf,
-pytest and numpy (numpy because importing it runs purine/caffe/__init__.py).
+Of the project only ``purine.formats.caffe_pb2`` is imported (plus ``google.protobuf``), so
+this file also runs in the venvs of tests/protobuf_compat.sh, which hold just protobuf and
+pytest: purine/__init__.py and purine/formats/__init__.py import nothing.
 """
 
 import ast
@@ -16,7 +16,7 @@ import sys
 import pytest
 from google.protobuf import descriptor_pb2, text_format
 
-from purine.caffe import caffe_pb2 as pb
+from purine.formats import caffe_pb2 as pb
 
 # Labels/types are read from the embedded FileDescriptorProto: FieldDescriptor.label
 # is gone in protobuf 7 and FieldDescriptor.is_repeated is missing in 4.21.
@@ -58,7 +58,7 @@ def test_embedded_descriptor_matches_proto_source():
     fresh = gen.compile_descriptor()
     embedded = _embedded_fdp()
     assert fresh == embedded, (
-        "purine/caffe/caffe_pb2.py is stale relative to proto/caffe.proto: "
+        "purine/formats/caffe_pb2.py is stale relative to proto/caffe.proto: "
         "run `python proto/generate.py`"
     )
     assert [m.name for m in fresh.message_type] == [m.name for m in embedded.message_type]
@@ -145,7 +145,7 @@ def test_descriptor_inventory():
     for name in EXPECTED_MESSAGES:
         cls = getattr(pb, name)
         assert cls.DESCRIPTOR.full_name == "caffe." + name
-        assert cls.__module__ == pb.__name__ == "purine.caffe.caffe_pb2"
+        assert cls.__module__ == pb.__name__ == "purine.formats.caffe_pb2"
 
 
 def test_module_uses_only_portable_protobuf_apis():
@@ -165,7 +165,7 @@ def test_module_uses_only_portable_protobuf_apis():
 
 
 def test_importing_bindings_does_not_load_codegen_tools():
-    code = "import sys, purine.caffe.caffe_pb2; print('grpc_tools' in sys.modules)"
+    code = "import sys, purine.formats.caffe_pb2; print('grpc_tools' in sys.modules)"
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run(

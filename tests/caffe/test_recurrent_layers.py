@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from purine.caffe import TEST, TRAIN, Net
-from purine.caffe import caffe_pb2 as pb
 from purine.caffe.solver import Solver
 from purine.errors import LayerError
+from purine.formats import caffe_pb2 as pb
 from tests.gradcheck import check_gradients, layer_net
 
 FILLERS = ('weight_filler { type: "gaussian" std: 0.5 } '

@@ -7,7 +7,7 @@ import re
 
 from purine.caffe import net as _net  # noqa: F401  (importing the net registers the layers)
 from purine.caffe.layer import BUILDERS
-from purine.caffe.upgrade import V1_TYPE_NAMES
+from purine.formats.upgrade import V1_TYPE_NAMES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -4,9 +4,9 @@ iter_size, resume that is bit-identical, snapshots, and the errors a user sees."
 import numpy as np
 import pytest
 
-from purine.caffe import caffe_pb2 as pb
 from purine.caffe.solver import DivergenceError, Solver, read_solver
 from purine.errors import ProtoError, PurineError
+from purine.formats import caffe_pb2 as pb
 
 NET = """
 name: "regression"

@@ -9,13 +9,13 @@ import pytest
 from google.protobuf import text_format
 
 from purine.caffe import TEST, TRAIN, Net
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import parse_text, read_net, replace_data_layers
 from purine.caffe.solver import read_solver
-from purine.caffe.upgrade import V1_TYPE_NAMES, upgrade_net, upgrade_net_inputs, upgrade_solver
 from purine.converters import upgrade as tools
 from purine.datasets.mnist import load_mnist_5k, write_mnist_lmdb
 from purine.errors import ProtoError
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import parse_text, read_net, replace_data_layers
+from purine.formats.upgrade import V1_TYPE_NAMES, upgrade_net, upgrade_net_inputs, upgrade_solver
 from purine.log import get_logger
 from purine.zoo import model_file
 

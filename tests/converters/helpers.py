@@ -9,7 +9,7 @@ import cv2
 import lmdb
 import numpy as np
 
-from purine.caffe import caffe_pb2 as pb
+from purine.formats import caffe_pb2 as pb
 
 
 def write_png_rgb(path, rgb):

@@ -4,9 +4,9 @@
 import numpy as np
 import pytest
 
-from purine.caffe import caffe_pb2 as pb
 from purine.converters import ConvertError
 from purine.converters.binaryproto import convert, main, read_binaryproto, write_binaryproto
+from purine.formats import caffe_pb2 as pb
 
 
 @pytest.mark.parametrize("shape", [(1, 3, 4, 5), (2, 1, 2, 2), (7,), (2, 3), (3, 2, 2)])

@@ -7,10 +7,10 @@ import lmdb
 import numpy as np
 import pytest
 
-from purine.caffe import caffe_pb2 as pb
 from purine.converters import ConvertError
 from purine.converters.compute_image_mean import compute_image_mean, main
 from purine.converters.convert_imageset import convert_imageset, write_images
+from purine.formats import caffe_pb2 as pb
 from tests.converters.helpers import Lines, make_imageset
 
 

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import purine.converters.convert_imageset as ci
-from purine.caffe import caffe_pb2 as pb
 from purine.converters import ConvertError
 from purine.converters.convert_imageset import (
     Encoded,
@@ -20,6 +19,7 @@ from purine.converters.convert_imageset import (
     main,
     write_images,
 )
+from purine.formats import caffe_pb2 as pb
 from tests.converters.helpers import (
     Lines,
     chw_bytes,

@@ -10,10 +10,10 @@ import pytest
 import purine.backend
 from purine import cli
 from purine.caffe import TEST, Net
-from purine.caffe import caffe_pb2 as pb
 from purine.converters import ConvertError
 from purine.converters.extract_features import extract_features, main
 from purine.errors import PurineError
+from purine.formats import caffe_pb2 as pb
 from tests.converters.helpers import Lines, read_lmdb
 from tests.data.helpers import images, raw_datum, write_lmdb
 

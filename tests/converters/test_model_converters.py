@@ -8,9 +8,6 @@ import numpy as np
 import pytest
 
 from purine.caffe import TEST, Net
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import load_weights
-from purine.caffe.prototxt import read_net
 from purine.converters import ConvertError
 from purine.converters.caffemodel_npz import (
     caffemodel_to_npz,
@@ -22,6 +19,9 @@ from purine.converters.caffemodel_npz import (
 )
 from purine.converters.summary import main as summary_main
 from purine.converters.summary import summarize
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import load_weights
+from purine.formats.prototxt import read_net
 from tests.converters.helpers import Lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

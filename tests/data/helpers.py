@@ -11,9 +11,9 @@ import lmdb
 import numpy as np
 
 from purine.caffe import TRAIN, Net
-from purine.caffe import caffe_pb2 as pb
 from purine.caffe.net import NetBuilder
-from purine.caffe.prototxt import read_net
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import read_net
 from purine.runtime import Dispatcher
 
 

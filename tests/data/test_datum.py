@@ -6,9 +6,9 @@ import cv2
 import numpy as np
 import pytest
 
-from purine.caffe import caffe_pb2 as pb
 from purine.data import DataError
 from purine.data.datum import datum_image, decode_flag, parse_datum, read_mean, stack
+from purine.formats import caffe_pb2 as pb
 from tests.data.helpers import encoded_datum, images, raw_datum, write_mean
 
 NATIVE = decode_flag(False, False)

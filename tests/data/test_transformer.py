@@ -5,9 +5,9 @@ values, scale, float records, images of several sizes, and the errors Caffe chec
 import numpy as np
 import pytest
 
-from purine.caffe import caffe_pb2 as pb
 from purine.data import DataError
 from purine.data.transformer import Transformer
+from purine.formats import caffe_pb2 as pb
 from tests.data.helpers import caffe_transform, images, match_transform, write_mean
 
 

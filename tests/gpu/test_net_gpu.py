@@ -16,7 +16,7 @@ import pytest
 
 from purine.backend import assign, synchronize, to_host
 from purine.caffe import TEST, TRAIN, Net
-from purine.caffe import caffe_pb2 as pb
+from purine.formats import caffe_pb2 as pb
 from purine.graph import Location
 from tests.gpu.common import GPU0, TABLE_LOCATION, requires_gpu, requires_gpu_or_stand_in
 from tests.gradcheck import layer_net
@@ -321,10 +321,10 @@ def test_numerical_gradients_on_the_gpu(name):
 
 
 def lenet_solver(tmp_path, **extra):
-    from purine.caffe import caffe_pb2 as pb
-    from purine.caffe.prototxt import read_net
     from purine.caffe.solver import read_solver
     from purine.datasets.mnist import split_mnist_5k, write_mnist_lmdb
+    from purine.formats import caffe_pb2 as pb
+    from purine.formats.prototxt import read_net
     from purine.zoo import model_file
 
     x, y, _, _ = split_mnist_5k(n_test=100)

@@ -3,7 +3,7 @@
 import pytest
 
 from purine.errors import GraphError
-from purine.graph import Graph, Location
+from purine.graph import Graph, Location, kernel
 
 
 def nop(ins, outs):
@@ -92,3 +92,14 @@ def test_compose_prefixes_names_and_binds_shared_blobs():
     assert outer.ops[1].inputs == (shared,) and outer.ops[1].outputs == (m1["b"],)
     with pytest.raises(GraphError, match="bound to 'wrong'"):
         outer.compose(inner, "r2/", bind={"a": outer.blob("wrong", (3,))})
+
+
+def test_kernel_adapts_a_function_to_the_op_interface():
+    def scale(x, y, *, by):
+        y[:] = [by * v for v in x]
+
+    run = kernel(scale, by=3)
+    out = [0, 0]
+    run([[1, 2]], [out])
+    assert out == [3, 6]
+    assert run.__name__ == run.__qualname__ == "scale"   # ops and traces are named after it

@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from purine.caffe import caffe_pb2 as pb
 from purine.errors import PurineError
+from purine.formats import caffe_pb2 as pb
 from purine.ops.solver import (
     SOLVER_TYPE_NAMES,
     SOLVERS,

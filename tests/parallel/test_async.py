@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from purine.backend import _openblas_threads, one_blas_thread
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import read_net
 from purine.caffe.solver import DivergenceError, Solver, read_solver
 from purine.datasets.mnist import split_mnist_5k, write_mnist_lmdb
 from purine.errors import PurineError
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import read_net
 from purine.parallel.async_ps import AsyncSolver
 from purine.zoo import model_file
 

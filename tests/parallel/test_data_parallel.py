@@ -4,10 +4,10 @@ the weights of one replica with batch N*b fed the same samples."""
 import numpy as np
 import pytest
 
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import read_net
 from purine.caffe.solver import Solver, read_solver
 from purine.datasets.mnist import load_mnist_5k, write_mnist_lmdb
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import read_net
 from purine.zoo import model_file
 
 

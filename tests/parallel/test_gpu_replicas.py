@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import purine.runtime.dispatcher as dispatcher_module
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import parse_text
 from purine.caffe.solver import Solver
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import parse_text
 from purine.graph import Location
 from tests.test_cli import NET
 

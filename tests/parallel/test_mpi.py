@@ -15,11 +15,11 @@ import pytest
 from google.protobuf import text_format
 
 from purine.caffe import TRAIN, Net
-from purine.caffe import caffe_pb2 as pb
 from purine.caffe.solver import PRIVATE_STATE_FIELD, Solver
-from purine.caffe.wire import length_fields
 from purine.cli import main
 from purine.datasets.mnist import load_mnist_5k, write_mnist_lmdb
+from purine.formats import caffe_pb2 as pb
+from purine.formats.wire import length_fields
 from purine.parallel import mpi
 from tests.parallel.test_data_parallel import lenet_solver
 

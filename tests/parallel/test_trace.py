@@ -3,9 +3,9 @@ exchange of the top layers runs while the lower layers' backward pass still runs
 
 import json
 
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import filter_net, read_net, replace_data_layers
 from purine.caffe.solver import Solver
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import filter_net, read_net, replace_data_layers
 from purine.runtime.trace import chrome_trace
 from purine.zoo import model_file
 

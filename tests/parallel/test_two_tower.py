@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from purine.caffe import TRAIN, Net
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import read_net, replace_data_layers
 from purine.errors import LayerError, ProtoError, PurineError
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import read_net, replace_data_layers
 from purine.graph import Location
 from purine.parallel.placement import parse_location, place, read_placement, split_towers
 

@@ -18,9 +18,9 @@ import pytest
 
 import purine.pycaffe
 from purine.caffe import Net
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import read_net
 from purine.datasets import split_mnist_5k, write_mnist_lmdb
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import read_net
 from purine.pycaffe.mode import settings
 
 HERE = Path(__file__).parent

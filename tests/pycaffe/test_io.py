@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import purine.pycaffe as caffe
-from purine.caffe import caffe_pb2 as pb
 from purine.errors import PurineError
+from purine.formats import caffe_pb2 as pb
 
 io = caffe.io
 

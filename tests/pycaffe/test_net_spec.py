@@ -11,9 +11,9 @@ import pytest
 from google.protobuf import text_format
 
 import purine.pycaffe as caffe
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import read_net
 from purine.datasets.mnist import split_mnist_5k, write_mnist_lmdb
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import read_net
 from purine.pycaffe import layers as L
 from purine.pycaffe import params as P
 from purine.pycaffe.net_spec import param_name_dict

@@ -5,10 +5,10 @@ and the figure for AlexNet's training iteration."""
 import numpy as np
 import pytest
 
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.prototxt import read_net
 from purine.caffe.solver import Solver, read_solver
 from purine.errors import PurineError
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import read_net
 from purine.graph import Graph, Location
 from purine.runtime import Dispatcher
 from purine.runtime.memory import Buffer, blob_nbytes, plan_memory

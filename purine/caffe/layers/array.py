@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import math
 
-from purine.caffe import caffe_pb2 as pb
 from purine.caffe.layer import LayerBuild, register
 from purine.caffe.layers.common import canonical_axis
+from purine.formats import caffe_pb2 as pb
 from purine.graph import Blob
 from purine.ops import array as arr
 from purine.ops import tensor

@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 
-from purine.caffe import caffe_pb2 as pb
 from purine.caffe.fillers import fill
 from purine.caffe.layer import LayerBuild, register
+from purine.formats import caffe_pb2 as pb
 from purine.ops import inner_product as ip
 from purine.ops import tensor
 

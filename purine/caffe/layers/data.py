@@ -12,20 +12,28 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from purine.caffe import caffe_pb2 as pb
 from purine.caffe.layer import LayerBuild, register
-from purine.data import DataError
+from purine.data import (
+    DataError,
+    datum,
+    db,
+    hdf5,
+    image_list,
+    lmdb_source,
+    memory,
+    prefetch,
+    window,
+)
+from purine.data.memory import MemoryFeed
+from purine.data.prefetch import Prefetcher
+from purine.data.transformer import Transformer
 from purine.errors import PurineError
+from purine.formats import caffe_pb2 as pb
 from purine.log import get_logger
+from purine.ops import tensor
 
 if TYPE_CHECKING:
     from purine.caffe.net import Net
-    from purine.data.memory import MemoryFeed
-    from purine.data.prefetch import Prefetcher
-    from purine.data.transformer import Transformer
-
-# purine.data's modules import purine.caffe (for caffe_pb2), so this module, which
-# purine.caffe imports, takes them when a builder runs rather than at import.
 
 _SKIP = 0x5C1B  # the rand_skip draw's stream, apart from the batches' transform streams
 _LEGACY_TRANSFORM = ("scale", "mean_file", "crop_size", "mirror")
@@ -33,8 +41,6 @@ _LEGACY_TRANSFORM = ("scale", "mean_file", "crop_size", "mirror")
 
 def _transformer(L: LayerBuild, legacy: pb.DataParameter | pb.ImageDataParameter | None = None,
                  force_color: bool = False) -> Transformer:
-    from purine.data.transformer import Transformer
-
     param = pb.TransformationParameter()
     param.CopyFrom(L.param.transform_param)
     if force_color and not param.force_gray:  # DataParameter's older force_encoded_color
@@ -67,8 +73,6 @@ def _skip(L: LayerBuild, rand_skip: int) -> int:
 
 def _add_forward(L: LayerBuild, shapes: list[tuple[int, ...]],
                  source: Prefetcher | MemoryFeed) -> None:
-    from purine.data import prefetch
-
     tops = [L.top(i, s) for i, s in enumerate(shapes)]
     L.forward(prefetch.fill_tops, [], tops, op_type=L.type, source=source)
     log = get_logger()
@@ -79,8 +83,6 @@ def _data_backend(L: LayerBuild, p: pb.DataParameter) -> str:
     """The backend data_param asks for (LEVELDB when unset, Caffe's default), unless the
     source holds the other kind: Caffe would fail to open it, we read it as what it is and
     warn, so that a net written for an LMDB without 'backend: LMDB' runs."""
-    from purine.data import db
-
     asked = "lmdb" if p.backend == pb.DataParameter.LMDB else "leveldb"
     found = db.detect(p.source)
     setting = f"{asked.upper()}{'' if p.HasField('backend') else ' (the default)'}"
@@ -99,8 +101,6 @@ def _data_backend(L: LayerBuild, p: pb.DataParameter) -> str:
 
 @register("Data")
 def data_layer(L: LayerBuild):
-    from purine.data import datum, db, lmdb_source, prefetch
-
     L.expect(0, (1, 2))
     p = L.param.data_param
     if not p.source:
@@ -130,8 +130,6 @@ def data_layer(L: LayerBuild):
 
 @register("ImageData")
 def image_data_layer(L: LayerBuild):
-    from purine.data import image_list, prefetch
-
     L.expect(0, 2)
     p = L.param.image_data_param
     if (p.new_height > 0) != (p.new_width > 0):
@@ -164,8 +162,6 @@ def image_data_layer(L: LayerBuild):
 
 @register("MemoryData")
 def memory_data_layer(L: LayerBuild):
-    from purine.data import memory
-
     L.expect(0, 2)
     p = L.param.memory_data_param
     dims = (p.batch_size, p.channels, p.height, p.width)
@@ -181,8 +177,6 @@ def memory_data_layer(L: LayerBuild):
 
 @register("HDF5Data")
 def hdf5_data_layer(L: LayerBuild):
-    from purine.data import hdf5, prefetch
-
     L.expect(0, (1, None))
     p = L.param.hdf5_data_param
     if L.param.HasField("transform_param"):
@@ -235,8 +229,6 @@ _WINDOW_LEGACY = ("mean_file", "crop_size", "mirror")  # read from transform_par
 
 @register("WindowData")
 def window_data_layer(L: LayerBuild):
-    from purine.data import datum, prefetch, window
-
     L.expect(0, 2)
     p, tp = L.param.window_data_param, L.param.transform_param
     if not p.source:
@@ -293,9 +285,6 @@ def window_data_layer(L: LayerBuild):
 
 @register("HDF5Output")
 def hdf5_output_layer(L: LayerBuild):
-    from purine.data import hdf5
-    from purine.ops import tensor
-
     L.expect(2, 0)
     data, label = L.bottom(0), L.bottom(1)
     for b in (data, label):

@@ -9,12 +9,12 @@ import math
 
 import numpy as np
 
-from purine.caffe import caffe_pb2 as pb
-from purine.caffe.caffemodel import blob_to_array
 from purine.caffe.layer import LayerBuild, register
 from purine.caffe.layers.common import canonical_axis
-from purine.caffe.prototxt import read_binary
 from purine.errors import ProtoError
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import blob_to_array
+from purine.formats.prototxt import read_binary
 from purine.graph import Blob
 from purine.ops import loss as ls
 from purine.ops import softmax as sm

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from purine.caffe import caffe_pb2 as pb
 from purine.caffe.layer import LayerBuild, register
+from purine.formats import caffe_pb2 as pb
 from purine.graph import Blob
 from purine.ops import activation as act
 from purine.ops import tensor

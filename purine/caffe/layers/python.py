@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from purine.caffe import caffe_pb2 as pb
 from purine.caffe.layer import LayerBuild, LegacyAxes, register
 from purine.errors import LayerError
+from purine.formats import caffe_pb2 as pb
 from purine.graph import Blob
 
 
