@@ -23,9 +23,10 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from purine.caffe.solver import Solver, read_solver  # noqa: E402
+from purine.caffe.solver import read_solver  # noqa: E402
 from purine.datasets.mnist import load_mnist_5k, write_mnist_lmdb  # noqa: E402
 from purine.formats.prototxt import read_net  # noqa: E402
+from purine.parallel import build_solver  # noqa: E402
 from purine.zoo import model_file  # noqa: E402
 
 NETS = {"lenet": ("lenet/lenet_train_test.prototxt", "lenet/lenet_solver.prototxt"),
@@ -65,7 +66,7 @@ def solver(name: str, db: str):
 
 
 def images_per_s(param, replicas: int, iterations: int) -> float:
-    s = Solver(param, replicas=replicas)
+    s = build_solver(param, replicas=replicas)
     batch = next(l.data_param.batch_size for l in param.net_param.layer if l.type == "Data"
                  and (not l.include or l.include[0].phase == 0))
     s.step(2)

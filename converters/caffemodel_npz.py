@@ -20,6 +20,7 @@ from purine.formats.caffemodel import (
     load_weights,
 )
 from purine.formats.prototxt import read_net
+from purine.formats.weights import fit_shape, legacy_shape_match  # noqa: F401 (summary.py's)
 from purine.log import get_logger
 
 _PHASES = {"TRAIN": pb.TRAIN, "TEST": pb.TEST}
@@ -87,11 +88,6 @@ def read_npz(path: str | os.PathLike) -> dict[tuple[str, int], np.ndarray]:
     return out
 
 
-def legacy_shape_match(have: tuple[int, ...], want: tuple[int, ...]) -> bool:
-    """Old caffemodels store every blob as 4-d (num, channels, height, width)."""
-    return [d for d in have if d != 1] == [d for d in want if d != 1]
-
-
 def npz_to_caffemodel(model: str | os.PathLike | pb.NetParameter, src: str | os.PathLike,
                       dst: str | os.PathLike, *, phase: int = pb.TRAIN, log=None) -> int:
     """Write caffemodel ``dst`` for net ``model`` (as built for ``phase``) with the
@@ -115,13 +111,12 @@ def npz_to_caffemodel(model: str | os.PathLike | pb.NetParameter, src: str | os.
                 raise ConvertError(f"{src}: no array '{npz_key(*key)}' for layer '{L.name}' "
                                    f"parameter {k}; the net expects shape {blob.shape}")
             a = arrays[key]
-            if a.shape != blob.shape:
-                if a.size != blob.count or not legacy_shape_match(a.shape, blob.shape):
-                    raise ConvertError(
-                        f"{src}: array '{npz_key(*key)}' (layer '{L.name}' parameter {k}) has "
-                        f"shape {a.shape}, the net expects {blob.shape}")
-                a = a.reshape(blob.shape)
-            a = np.ascontiguousarray(a, dtype=np.float32)
+            fit = fit_shape(a, blob.shape)
+            if fit is None:
+                raise ConvertError(
+                    f"{src}: array '{npz_key(*key)}' (layer '{L.name}' parameter {k}) has "
+                    f"shape {a.shape}, the net expects {blob.shape}")
+            a = np.ascontiguousarray(fit, dtype=np.float32)
             used.add(key)
             if blob.name in shared:
                 first, where = shared[blob.name]

@@ -87,7 +87,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace, comm) -> int:
-    from purine.caffe.solver import SignalHandler, Solver, read_solver, snapshot_seed
+    from purine.caffe.solver import SignalHandler, read_solver, snapshot_seed
+    from purine.parallel import build_solver
 
     log = get_logger()
     if comm is not None:
@@ -148,9 +149,9 @@ def _train(args: argparse.Namespace, comm) -> int:
 
             replicas, others = len(gpus), [Location("gpu", i) for i in gpus[1:]]
             log.info("Training on GPUs %s (one replica each)", ",".join(map(str, gpus)))
-        solver = Solver(param, path=args.solver, threads=args.threads, log=log,
-                        replicas=replicas, comm=comm, replica_locations=others,
-                        location=_location(gpus), share_memory=args.share_memory)
+        solver = build_solver(param, path=args.solver, threads=args.threads, log=log,
+                              replicas=replicas, comm=comm, replica_locations=others,
+                              location=_location(gpus), share_memory=args.share_memory)
     with solver:  # closed on the way out, an error's too: its databases are free again
         if args.trace and args.staleness is not None:  # async: trace one push up front
             if args.snapshot:
@@ -364,6 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # A user's Python layer module that says `import caffe` gets the whole pycaffe face,
+    # as in Caffe's own tool (importing purine.pycaffe registers it with the builder).
+    import purine.pycaffe  # noqa: F401
+
     return run_reporting(f"purine-caffe {args.command}", lambda: args.run(args))
 
 

@@ -83,20 +83,9 @@ class KnownEdge:
 
 
 # Root causes, named once (issue 14, first section); each entry of EXCEPTIONS cites one.
-SOLVER = "Solver.__init__ wires the parallel schemes in (MPI ranks, replicas)"
-SHIM = "the Python layer builder installs pycaffe's `caffe` alias, an upward call"
-PAIR = "two modules that import each other"
 
 E = KnownEdge
 EXCEPTIONS: tuple[KnownEdge, ...] = (
-    # caffe -> parallel: the solver knows the schemes (deferred imports).
-    E("purine.caffe.solver", "purine.parallel", 2, SOLVER + ": replicate"),
-    E("purine.caffe.solver", "purine.parallel.mpi", 2, SOLVER + ": Ranks"),
-    # caffe -> pycaffe (deferred import).
-    E("purine.caffe.layers.python", "purine.pycaffe", 4, SHIM),
-    # Cycles inside a package: the edge listed is the one the step drops.
-    E("purine.caffe.layer", "purine.caffe.net", 4,
-      PAIR + ": LayerBuild hands add_param/add_op to NetBuilder (type_checking)"),
 )
 
 

@@ -18,7 +18,7 @@ which gradients are needed (Caffe's need_backward / loss analysis)::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,11 +28,8 @@ from purine.formats import caffe_pb2 as pb
 
 # kernel and Stateful live in purine.graph; imported here for this module's use and re-exported
 # for the builders and users that import them from the layer registry.
-from purine.graph import Blob, Location, Op, Stateful, kernel
+from purine.graph import Blob, Graph, Location, Op, Stateful, kernel
 from purine.ops import tensor
-
-if TYPE_CHECKING:
-    from purine.caffe.net import NetBuilder
 
 Backward = Callable[[], None]
 
@@ -52,6 +49,40 @@ class LegacyAxes:
     channels = property(lambda self: self._axis(1))
     height = property(lambda self: self._axis(2))
     width = property(lambda self: self._axis(3))
+
+
+class NetServices(Protocol):
+    """What a layer under construction asks of the net it joins (purine.caffe.net's
+    NetBuilder provides it): calls go from the net down into builders and from a builder
+    into this interface, so this module knows nothing of the net module."""
+
+    phase: int
+    dtype: str
+    seed: int
+    location: Location  # where a layer goes when ``placement`` names it not
+    placement: dict[str, Location]  # layer name -> where its ops and blobs go
+    replica: tuple[int, int]  # (index, count) among data-parallel replicas
+    input_shapes: dict[str, tuple[int, ...]]
+    force_backward: bool
+    graph: Graph
+    data: dict[str, Blob]  # Caffe blob name -> its data blob
+    initial: dict[Blob, np.ndarray]  # parameter blob -> its filled value
+    stateful: dict[str, Stateful]  # run-time state snapshots must keep
+    layers: list[LayerBuild]
+    previous: NetServices | None  # the build this one replaces (a reshape), if any
+
+    def add_param(self, layer: LayerBuild, k: int, shape: tuple[int, ...],
+                  filler: pb.FillerParameter | None, lr_mult: float | None) -> Blob: ...
+
+    def add_op(self, layer: LayerBuild, op_type: str, inputs: Sequence[Blob],
+               outputs: Sequence[Blob], k: Any) -> Op: ...
+
+    def diff(self, name: str) -> Blob: ...
+
+    def param_diff(self, layer: LayerBuild, k: int) -> Blob: ...
+
+    def param_grad(self, b: Blob) -> Blob: ...
+
 
 BUILDERS: dict[str, Builder] = {}
 
@@ -73,7 +104,7 @@ class LayerBuild:
     """One layer under construction: its parameter message, bottoms, tops, parameter blobs,
     and the net-level services (blob naming, gradients, fillers, op placement)."""
 
-    def __init__(self, net: NetBuilder, param: pb.LayerParameter, index: int,
+    def __init__(self, net: NetServices, param: pb.LayerParameter, index: int,
                  name: str | None = None):
         self.net = net
         self.param = param

@@ -19,6 +19,7 @@ from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write, blob_to_array, net_chunks, read_caffemodel
 from purine.formats.hdf5_snapshot import is_hdf5, read_weights, write_weights
 from purine.formats.prototxt import filter_net, insert_splits, read_net
+from purine.formats.weights import layer_arrays
 from purine.graph import CPU, Blob, Graph, Location, Op, Stateful, kernel
 from purine.log import get_logger
 from purine.ops import tensor
@@ -631,14 +632,10 @@ class Net:
             theirs = other.params.get(name)
             if theirs is None:
                 continue
-            if len(theirs) != len(views):
-                raise PurineError(f"layer '{name}' has {len(views)} parameter blobs here and "
-                                  f"{len(theirs)} in net '{other.model.name}'")
-            for k, (mine, src) in enumerate(zip(views, theirs)):
-                if mine.shape != src.shape:
-                    raise PurineError(f"layer '{name}' parameter {k} has shape {mine.shape} "
-                                      f"here and {src.shape} in net '{other.model.name}'")
-                self.dispatcher.bind(mine._data, src.data)
+            arrays = layer_arrays(name, [src.data for src in theirs], [v.shape for v in views],
+                                  source=f"in net '{other.model.name}'", legacy=False)
+            for mine, a in zip(views, arrays):
+                self.dispatcher.bind(mine._data, a)
         self._shared_with = other
 
     # -- weights -----------------------------------------------------------------------
@@ -663,17 +660,9 @@ class Net:
                 arrays = [blob_to_array(b) for b in layer.blobs]
             except ProtoError as e:
                 raise ProtoError(f"{os.fspath(path)}: layer '{name}': {e}") from None
-            if len(arrays) != len(views):
-                raise PurineError(f"{os.fspath(path)}: layer '{name}' has {len(arrays)} "
-                                  f"parameter blobs, the net expects {len(views)}")
-            for k, (v, a) in enumerate(zip(views, arrays)):
-                if a.shape != v.shape:
-                    if a.size == v.count and _legacy_shape_match(a.shape, v.shape):
-                        a = a.reshape(v.shape)
-                    else:
-                        raise PurineError(
-                            f"{os.fspath(path)}: layer '{name}' parameter {k} has shape "
-                            f"{a.shape} in the file, the net expects {v.shape}")
+            arrays = layer_arrays(name, arrays, [v.shape for v in views], source="in the file",
+                                  where=f"{os.fspath(path)}: ")
+            for v, a in zip(views, arrays):
                 assign(v.data, a)
 
     def load_hdf5(self, path: str | os.PathLike) -> None:
@@ -749,9 +738,3 @@ def close_all(objects: Iterable[Any]) -> None:
             first = first or e
     if first is not None:
         raise first
-
-
-def _legacy_shape_match(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
-    """Old caffemodels store every blob as 4-d (num, channels, height, width)."""
-    strip = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
-    return strip(a) == strip(b)

@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,10 +45,11 @@ from purine.formats.hdf5_snapshot import (
 from purine.formats.prototxt import parse_text, read_message, read_net
 from purine.formats.upgrade import upgrade_solver
 from purine.formats.wire import len_field, length_fields
-from purine.graph import CPU, Blob, Location, Op, kernel
+from purine.graph import CPU, Blob, Location, Op, Stateful, kernel
 from purine.log import get_logger
 from purine.ops import solver as so
 from purine.ops import tensor
+from purine.runtime import Dispatcher
 
 # A SolverState field number Caffe does not use: Caffe's reader keeps it as an unknown
 # field and ignores it, so our .solverstate files still load in Caffe.
@@ -122,22 +124,57 @@ class _ParamUpdate:
     history: list[Blob] = field(default_factory=list)
 
 
+class Scheme:
+    """The points where a parallel scheme (purine.parallel) rewrites the solver's training
+    graph and joins its loop; the solver knows these points, not the schemes. This base is
+    the plain case: one replica in one process. A scheme serves one solver."""
+
+    first = 0            # this process's first replica of ``total``: its seed, data, state keys
+    total = 1
+    root = True          # this process tests and writes snapshots and traces
+    concurrent = False   # replicas run on concurrent workers (then one BLAS thread each)
+    server: Location | None = None  # where the update ops run; None: the train net's location
+
+    def __init__(self, description: str | None = None):
+        # The replicas woven into the net's graph, in words ("2 data-parallel replicas");
+        # given, the train net cannot be rebuilt for new input shapes.
+        self.description = description
+        self.pass_ops: list[Op] = []    # run after each forward/backward pass of the net
+        self.keep: set[Blob] = set()    # blobs read between iterations (no memory sharing)
+        self.stateful: dict[str, Stateful] = {}  # other replicas' cursors, by state key
+
+    def rewrite(self, solver: Solver, param: pb.NetParameter, level: int,
+                stages: tuple[str, ...]) -> None:
+        """Compose the scheme's ops into ``solver.net``'s graph, built from ``param`` at
+        ``level`` and ``stages``; runs before the update ops exist."""
+
+    def loss(self, loss: Any, dispatcher: Dispatcher) -> Any:
+        """The loss of a pass from the train net's own: averaged over the replicas."""
+        return loss
+
+    def agree(self, action: str) -> str:
+        """The action (none, snapshot, stop) every process takes after an iteration."""
+        return action
+
+    def gather_state(self, private: dict) -> dict | None:
+        """The private snapshot state to write; None where this process writes nothing."""
+        return private
+
+
 class Solver:
     """``Solver(solver_prototxt)``: the train net, its test nets sharing its weights, the
     update subgraph, and ``step`` / ``solve`` / ``snapshot`` / ``restore``.
 
-    ``replicas=N`` trains N data-parallel replicas in this process; ``comm`` (an mpi4py
-    communicator of R ranks, every rank constructing its Solver alike) makes this rank's
-    replicas k*N .. k*N+N-1 of R*N (see purine.parallel.mpi). Then only rank 0 tests and
-    writes snapshots (snapshot() is collective: every rank's data cursors go into rank 0's
-    .solverstate, keyed by global replica), and every rank restores from the same files."""
+    ``scheme`` spreads the training over replicas and processes (purine.parallel's
+    ``build_solver(..., replicas=N, comm=...)`` makes one): it rewrites the train net's graph
+    before the update ops are added, and the loop runs the graph it is given."""
 
     def __init__(self, source: str | os.PathLike | pb.SolverParameter, *,
                  level: int | None = None, stages: Sequence[str] | None = None,
-                 threads: int = 1, log=None, path: str | None = None, replicas: int = 1,
-                 comm=None, replica_locations: list | None = None,
-                 location: Location = CPU,
+                 threads: int = 1, log=None, path: str | None = None,
+                 scheme: Scheme | None = None, location: Location = CPU,
                  share_memory: bool = False):
+        self.scheme = scheme = scheme or Scheme()
         if path is None:
             path = os.fspath(source) if isinstance(source, str | os.PathLike) else ""
             if isinstance(source, str) and not os.path.exists(source) and "\n" in source:
@@ -154,49 +191,25 @@ class Solver:
         train_param, generic = pb.NetParameter(), train_param  # test nets may share it
         train_param.CopyFrom(generic)
         train_param.debug_info = p.debug_info
-        self._check_settings(writes=comm is None or comm.size <= 1 or comm.rank == 0)
+        self._check_settings(writes=scheme.root)
 
         def state(s: pb.NetState) -> tuple[int, list[str]]:
             return (s.level if level is None else level,
                     list(s.stage) if stages is None else list(stages))
 
         lv, st = state(p.train_state)
-        # -- MPI: rank k holds replicas k*N .. k*N+N-1 of size*N (purine.parallel.mpi)
-        self.mpi = None
-        first, total = 0, replicas
-        if comm is not None and comm.size > 1:
-            from purine.parallel.mpi import Ranks
-
-            self.mpi = Ranks(comm, replicas)
-            first, total = self.mpi.first, self.mpi.total
-            test_params = test_params if self.mpi.is_root else []  # Caffe: root tests
-        # -- end MPI
-        if self.mpi and location.device != "cpu":
-            raise PurineError("training on GPUs across MPI ranks is not supported; run one "
-                              "process with --gpu 0,1,... (NCCL) or MPI ranks on CPUs")
+        if not scheme.root:
+            test_params = []  # Caffe: the root process alone tests
         self.closed = False
         self.test_nets: list[Net] = []
-        self.replicas = None
         try:
-            self.net = Net(train_param, phase=TRAIN, level=lv, stages=st, seed=seed + first,
-                           threads=threads, replica=(first, total), location=location)
+            self.net = Net(train_param, phase=TRAIN, level=lv, stages=st,
+                           seed=seed + scheme.first, threads=threads,
+                           replica=(scheme.first, scheme.total), location=location)
             self.net.rebuilder = self._reshape_net  # its update ops are rebuilt with it
             self._check_regularization()
             self.trace_path: str | None = None  # write a Chrome trace of the next iteration
-            if replicas > 1:  # data parallelism: the other replicas join the net's graph
-                from purine.parallel import replicate
-
-                self.replicas = replicate(self.net, train_param, replicas, level=lv,
-                                          stages=tuple(st), seed=seed, first=first, total=total,
-                                          locations=replica_locations)
-            if self.mpi:  # -- MPI: gradient exchange ops, rank 0's initial weights everywhere
-                b = self.net.builder
-                server = (self.replicas.server if self.replicas else
-                          Location(b.location.device, b.location.index, max(1, threads),
-                                   b.location.host))
-                self.mpi.build(self.net.graph, [b.param_grad(w) for w in b.learnable_params
-                                                if w.meta["lr_mult"] != 0], server)
-                self.mpi.broadcast([self.net.dispatcher.array(w) for w in b.learnable_params])
+            scheme.rewrite(self, train_param, lv, tuple(st))
             for i, tp in enumerate(test_params):
                 s = p.test_state[i] if i < len(p.test_state) else pb.NetState()
                 lv, st = state(s)
@@ -355,11 +368,7 @@ class Solver:
         """Rebuild the train net for its inputs' new shapes (Caffe reshapes it at the next
         step) and the train side over it. The net keeps its weights, inputs, data cursors and
         random streams; the solver its history and iteration (so the learning rate)."""
-        # Replicas' ops are woven into the train net's graph (AsyncSolver's: ``workers``).
-        workers = getattr(self, "workers", None)
-        why = (f"{self.mpi.total} replicas over MPI ranks" if self.mpi else
-               f"{self.replicas.count} data-parallel replicas" if self.replicas else
-               f"{len(workers)} asynchronous replicas" if workers else None)
+        why = self.scheme.description  # replicas' ops are woven into the net's graph
         if why:
             asked = "".join(f"; input blob '{n}' {self.net.builder.data[n].shape} was reshaped "
                             f"to {a.shape}" for n, a in self.net._staged.items())
@@ -378,9 +387,7 @@ class Solver:
     def _build_update(self) -> None:
         p, net = self.param, self.net
         b, g = net.builder, net.graph
-        loc = self.replicas.server if self.replicas else b.location
-        if self.mpi:
-            loc = self.mpi.server
+        loc = self.scheme.server or b.location
         self._it = g.blob("solver/iter", (), "float64", loc)
         self._lr = g.blob("solver/lr", (), "float64", loc)
         self._iter_host = 0  # the counter blob's value, known without reading a GPU
@@ -482,32 +489,21 @@ class Solver:
         keep = {b for b in net.graph.blobs.values() if "lr_mult" in b.meta}
         keep |= {h for u in self.updates for h in u.history} | {self._it, self._lr}
         keep |= {t for t, _ in net.builder.loss_tops} | d.external
-        keep |= {net.builder.data[n] for n in net.outputs}
-        if self.replicas:
-            keep |= {t for t, _ in self.replicas.loss_tops}
+        keep |= {net.builder.data[n] for n in net.outputs} | self.scheme.keep
         plan = plan_memory(net.graph, ops, keep, loops)
         d.set_memory_plan(plan)
         self.log.info(plan.summary())
 
     # -- running -------------------------------------------------------------------------
     def _pass_ops(self) -> list[Op]:
-        """One forward/backward pass of every replica, with the gradient all-reduce."""
-        ops = self.net._forward_ops + self.net._backward_ops
-        if self.replicas:
-            ops = ops + self.replicas.pass_ops + self.replicas.reduce_ops
-        if self.mpi:
-            ops = ops + self.mpi.ops
-        return ops
+        """One forward/backward pass of the net, then the scheme's ops (the other replicas'
+        passes, the gradient all-reduce)."""
+        return self.net._forward_ops + self.net._backward_ops + self.scheme.pass_ops
 
     def _pass_loss(self) -> Any:
         """The pass's loss; on a GPU a 0-d device array, so the host need not wait for the
         pass to finish (it is read when the display needs it)."""
-        loss = self.net.loss_value()
-        if self.replicas:
-            d = self.net.dispatcher
-            other = sum(w * float(d.array(b).sum()) for b, w in self.replicas.loss_tops)
-            loss = (float(loss) + other) / self.replicas.count
-        return self.mpi.mean(float(loss)) if self.mpi else loss
+        return self.scheme.loss(self.net.loss_value(), self.net.dispatcher)
 
     def _iteration(self) -> float:
         """One iteration: iter_size forward/backward passes, then the update. Returns the
@@ -538,7 +534,7 @@ class Solver:
             loss = self._iteration()
         finally:
             d.profile = False
-        if not self.mpi or self.mpi.is_root:  # MPI: rank 0's trace
+        if self.scheme.root:
             write_chrome_trace(d.trace, path)
             self.log.info("Wrote the trace of iteration %d to %s", self.iter - 1, path)
         d.trace = []
@@ -549,10 +545,7 @@ class Solver:
             raise PurineError(f"solver {self._where()} is closed: its nets' data sources are "
                               "released; build a new solver to train again")
         self.net.reshape_if_needed()  # an input blob reshaped: the train side is rebuilt
-        if self.replicas:  # replicas on concurrent workers: one BLAS thread each
-            with one_blas_thread():
-                self._step(iters)
-        else:
+        with one_blas_thread() if self.scheme.concurrent else nullcontext():
             self._step(iters)
 
     def _step(self, iters: int) -> None:
@@ -587,9 +580,7 @@ class Solver:
                 log.info("Iteration %d, lr = %g", it, so.rate(it=it, **self._lr_params()))
             if p.snapshot and self.iter % p.snapshot == 0:
                 self.snapshot()
-            action = self.requested()
-            if self.mpi:
-                action = self.mpi.agree(action)
+            action = self.scheme.agree(self.requested())
             if action == "snapshot":
                 self.snapshot()
             elif action == "stop":
@@ -662,11 +653,9 @@ class Solver:
         base = f"{self._prefix()}_iter_{self.iter}"
         ext = ".h5" if hdf5 else ""
         model, state = base + ".caffemodel" + ext, base + ".solverstate" + ext
-        private = None
-        if self.mpi:  # collective: rank 0 gathers every rank's cursors and alone writes
-            private = self.mpi.gather_state(self._private_state())
-            if private is None:
-                return model, state
+        private = self.scheme.gather_state(self._private_state())  # MPI: collective
+        if private is None:  # another process writes
+            return model, state
         if hdf5:
             self._snapshot_hdf5(model, state, private)
             return model, state
@@ -676,13 +665,12 @@ class Solver:
         atomic_write(state, self.encode_state(model, private))
         return model, state
 
-    def _snapshot_hdf5(self, model: str, state: str, private: dict | None) -> None:
+    def _snapshot_hdf5(self, model: str, state: str, private: dict) -> None:
 
         self.log.info("Snapshotting to HDF5 file %s", model)
         self.net.save_hdf5(model)
         self.log.info("Snapshotting solver state to HDF5 file %s", state)
         d = self.net.dispatcher
-        private = self._private_state() if private is None else private
         write_state(state, SolverStateH5(
             iter=self.iter, learned_net=model, current_step=self._current_step(),
             history=[to_host(d.array(h)) for h in self._history()],
@@ -713,11 +701,10 @@ class Solver:
 
     def _stateful(self) -> dict:
         """By global replica: replica 0's keys are bare, replica g's ``replica{g}/...``."""
-        first = self.mpi.first if self.mpi else 0
+        first = self.scheme.first
         prefix = f"replica{first}/" if first else ""
         objects = {prefix + k: s for k, s in self.net.builder.stateful.items()}
-        if self.replicas:
-            objects.update(self.replicas.stateful)
+        objects.update(self.scheme.stateful)
         for i, net in enumerate(self.test_nets):  # a test net's data cursor goes on too
             objects.update({f"test{i}/{k}": s for k, s in net.builder.stateful.items()})
         return objects

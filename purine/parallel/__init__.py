@@ -4,17 +4,23 @@ replica in the first replica's memory space uses its parameter blobs directly; o
 another memory space (another device) keeps its own copy, refreshed by Copy ops before its
 forward pass, and sends its gradients back by Copy ops. Per parameter, an all-reduce op
 averages the replicas' gradients as soon as they all exist, and the solver's update ops
-follow it."""
+follow it. ``DataParallel`` is that rewrite as a scheme of the solver, over MPI ranks too,
+and ``build_solver`` the solver constructor that applies it."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from purine.caffe.net import TRAIN, Net, NetBuilder
+from purine.caffe.solver import Scheme, Solver
+from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.graph import Blob, Location, Op, Stateful, kernel
 from purine.ops import tensor
+from purine.parallel.mpi import Ranks
+from purine.runtime import Dispatcher
 
 
 def all_reduce_mean(*arrays: Any) -> None:
@@ -126,3 +132,70 @@ def _nccl_reduce_ops(graph, grads: dict[str, list[Blob]], devices: list[int],
                                 [g, token], kernel(nccl_reduce_mean, group=group, rank=r),
                                 loc))
     return ops
+
+
+class DataParallel(Scheme):
+    """``replicas`` data-parallel replicas in this process (``locations[r - 1]`` places
+    replica r); with ``comm``, an mpi4py communicator of R ranks (every rank building its
+    solver alike), this rank's replicas are k*N .. k*N+N-1 of R*N. Then rank 0 alone tests
+    and writes snapshots (snapshot() is collective: every rank's data cursors go into rank
+    0's .solverstate, keyed by global replica), and every rank restores from the same files."""
+
+    def __init__(self, replicas: int = 1, comm: Any = None,
+                 locations: list[Location] | None = None):
+        super().__init__()
+        self.count, self.locations = replicas, locations
+        self.mpi = Ranks(comm, replicas) if comm is not None and comm.size > 1 else None
+        self.replicas: Replicas | None = None
+        if self.mpi:
+            self.first, self.total, self.root = self.mpi.first, self.mpi.total, self.mpi.is_root
+            self.description = f"{self.mpi.total} replicas over MPI ranks"
+        else:
+            self.total = replicas
+            if replicas > 1:
+                self.description = f"{replicas} data-parallel replicas"
+        self.concurrent = replicas > 1
+
+    def rewrite(self, solver: Solver, param: pb.NetParameter, level: int,
+                stages: tuple[str, ...]) -> None:
+        """The other replicas join the net's graph with the gradient all-reduce; over MPI,
+        the exchange ops follow, and every rank starts from rank 0's weights."""
+        net, b = solver.net, solver.net.builder
+        if self.mpi and b.location.device != "cpu":
+            raise PurineError("training on GPUs across MPI ranks is not supported; run one "
+                              "process with --gpu 0,1,... (NCCL) or MPI ranks on CPUs")
+        if self.count > 1:
+            r = self.replicas = replicate(net, param, self.count, level=level, stages=stages,
+                                          seed=solver.seed, first=self.first, total=self.total,
+                                          locations=self.locations)
+            self.server = r.server
+            self.pass_ops += r.pass_ops + r.reduce_ops
+            self.keep |= {t for t, _ in r.loss_tops}
+            self.stateful.update(r.stateful)
+        if self.mpi:  # the exchange runs where the update ops will, off the net's threads
+            here = b.location
+            self.server = self.server or Location(here.device, here.index, b.threads, here.host)
+            self.mpi.build(net.graph, [b.param_grad(w) for w in b.learnable_params
+                                       if w.meta["lr_mult"] != 0], self.server)
+            self.pass_ops += self.mpi.ops
+            self.mpi.broadcast([net.dispatcher.array(w) for w in b.learnable_params])
+
+    def loss(self, loss: Any, dispatcher: Dispatcher) -> Any:
+        if self.replicas:
+            other = sum(w * float(dispatcher.array(t).sum()) for t, w in self.replicas.loss_tops)
+            loss = (float(loss) + other) / self.replicas.count
+        return self.mpi.mean(float(loss)) if self.mpi else loss
+
+    def agree(self, action: str) -> str:
+        return self.mpi.agree(action) if self.mpi else action
+
+    def gather_state(self, private: dict) -> dict | None:
+        return self.mpi.gather_state(private) if self.mpi else private
+
+
+def build_solver(source: str | os.PathLike | pb.SolverParameter, *, replicas: int = 1,
+                 comm: Any = None, replica_locations: list[Location] | None = None,
+                 **kwargs: Any) -> Solver:
+    """``Solver(source, **kwargs)`` training as ``DataParallel(replicas, comm,
+    replica_locations)`` says."""
+    return Solver(source, scheme=DataParallel(replicas, comm, replica_locations), **kwargs)

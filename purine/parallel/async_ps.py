@@ -28,7 +28,7 @@ import numpy as np
 
 from purine.backend import one_blas_thread
 from purine.caffe.net import TRAIN, NetBuilder
-from purine.caffe.solver import DivergenceError, Solver
+from purine.caffe.solver import DivergenceError, Scheme, Solver
 from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.graph import Blob, Location, Op, Stateful, kernel
@@ -94,7 +94,7 @@ class AsyncSolver(Solver):
         if staleness < 0:
             raise PurineError(f"staleness must be 0 or more, got {staleness}")
         super().__init__(source, level=level, stages=stages, threads=threads, log=log,
-                         path=path)
+                         path=path, scheme=Scheme(f"{replicas} asynchronous replicas"))
         self.staleness = staleness
         p = self.param
         lv = p.train_state.level if level is None else level

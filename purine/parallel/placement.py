@@ -28,6 +28,7 @@ from purine.errors import LayerError, ProtoError, PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import load_weights, save_net
 from purine.formats.prototxt import filter_net, read_net
+from purine.formats.weights import fit_shape, layer_arrays
 from purine.graph import CPU, Location
 
 if TYPE_CHECKING:
@@ -235,13 +236,8 @@ class SplitNet:
             views = net.params.get(name)
             if views is None:
                 continue
-            if len(arrays) != len(views):
-                raise PurineError(f"layer '{name}' has {len(arrays)} parameter blobs in the "
-                                  f"weights, the net expects {len(views)}")
-            for k, (v, a) in enumerate(zip(views, arrays, strict=True)):
-                if a.shape != v.shape:
-                    raise PurineError(f"layer '{name}' parameter {k} has shape {a.shape} in "
-                                      f"the weights, the net expects {v.shape}")
+            arrays = layer_arrays(name, arrays, [v.shape for v in views], source="in the weights")
+            for v, a in zip(views, arrays, strict=True):
                 v.data[...] = a
 
     def save(self, net: Net, path: str | os.PathLike) -> None:
@@ -260,8 +256,8 @@ class SplitNet:
             return a
         want = tuple(d * len(t.names) if i == t.axes[j] else d
                      for i, d in enumerate(views[j].shape))
-        ones = lambda s: tuple(d for d in s if d != 1)  # noqa: E731
-        return a.reshape(want) if a.shape != want and ones(a.shape) == ones(want) else a
+        fit = fit_shape(a, want)
+        return a if fit is None else fit
 
 
 @dataclass

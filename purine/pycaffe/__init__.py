@@ -12,19 +12,19 @@
 one; without one it warns, saying why, and they run on the CPU.
 
 ``install_as_caffe()`` makes ``import caffe`` give this module when no real Caffe is
-installed. Building a net with a ``Python`` layer calls it, so a user's layer module that
+installed. Importing this module registers it with the Python layer builder, and building
+a net with a ``Python`` layer calls it, so a user's layer module that
 says ``import caffe`` and subclasses ``caffe.Layer`` works unchanged; an installed Caffe is
 never replaced (the user's module then gets that Caffe's classes).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 from purine.caffe import TEST, TRAIN
 from purine.caffe.layer import BUILDERS
-from purine.caffe.layers.python import Layer
+from purine.caffe.layers.python import Layer, caffe_name_free, provide_caffe
 from purine.pycaffe import io, net_spec, proto
 from purine.pycaffe.mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed
 from purine.pycaffe.net import Net
@@ -57,15 +57,13 @@ def layer_type_list() -> list[str]:
 def install_as_caffe() -> bool:
     """Make ``import caffe`` (and ``caffe.io``, ``caffe.net_spec``, ``caffe.proto.caffe_pb2``)
     resolve to this module, unless a real ``caffe`` package is importable or already
-    imported. Returns whether ``caffe`` is now this module. A ``caffe`` directory without
-    ``__init__.py`` (a Caffe source checkout seen as a namespace package) does not count as
-    installed."""
+    imported (the Python layer builder's stand-in ``caffe`` is replaced). Returns whether
+    ``caffe`` is now this module. A ``caffe`` directory without ``__init__.py`` (a Caffe
+    source checkout seen as a namespace package) does not count as installed."""
     this = sys.modules[__name__]
-    current = sys.modules.get("caffe")
-    if current is not None:
-        return current is this
-    spec = importlib.util.find_spec("caffe")
-    if spec is not None and spec.origin not in (None, "namespace"):
+    if sys.modules.get("caffe") is this:
+        return True
+    if not caffe_name_free():
         return False
     sys.modules.update({
         "caffe": this,
@@ -75,3 +73,7 @@ def install_as_caffe() -> bool:
         "caffe.net_spec": net_spec,
     })
     return True
+
+
+# The Python layer builder (below this face) calls this when it loads a user's layer module.
+provide_caffe(install_as_caffe)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from purine.caffe import solver as caffe_solver
+from purine.parallel import DataParallel
 from purine.pycaffe import mode
 from purine.pycaffe.mode import settings
 from purine.pycaffe.net import Net
@@ -28,6 +29,9 @@ class Solver(caffe_solver.Solver):
             param.random_seed = settings.seed
         source = os.fspath(path)
         kwargs.setdefault("location", mode.location())
+        if {"replicas", "comm", "replica_locations"} & kwargs.keys():  # data parallelism
+            kwargs["scheme"] = DataParallel(kwargs.pop("replicas", 1), kwargs.pop("comm", None),
+                                            kwargs.pop("replica_locations", None))
         super().__init__(param, path=source if os.path.exists(source) else "", **kwargs)
         Net.adopt(self.net)
         for n in self.test_nets:

@@ -12,6 +12,7 @@ from purine.caffe import TEST, TRAIN, Net
 from purine.caffe.solver import Solver
 from purine.errors import LayerError
 from purine.formats import caffe_pb2 as pb
+from purine.parallel import build_solver
 from tests.gradcheck import check_gradients, layer_net
 
 FILLERS = ('weight_filler { type: "gaussian" std: 0.5 } '
@@ -389,16 +390,16 @@ def test_resume_carries_the_hidden_state_bit_for_bit(tmp_path, fmt, replicas):
             losses.append(solver.net.loss)
         return losses
 
-    straight = Solver(text, replicas=replicas)
+    straight = build_solver(text, replicas=replicas)
     want = run(straight, 4)
-    half = Solver(text, replicas=replicas)
+    half = build_solver(text, replicas=replicas)
     assert run(half, 2) == want[:2]
     names = [f"{r}lstm@state#{i}" for r in ["", *(f"replica{k}/" for k in range(1, replicas))]
              for i in range(2)]
     carried = [half.net.dispatcher.array(half.net.graph.blobs[n]).copy() for n in names]
     assert min(np.abs(c).max() for c in carried) > 1e-3  # h_T and c_T are not zeros
     _, state = half.snapshot()
-    resumed = Solver(text, replicas=replicas)
+    resumed = build_solver(text, replicas=replicas)
     resumed.restore(state)
     for n, c in zip(names, carried, strict=True):
         assert np.array_equal(resumed.net.dispatcher.array(resumed.net.graph.blobs[n]), c), n

@@ -13,6 +13,7 @@ from purine.caffe import TEST, Net
 from purine.caffe.solver import Solver
 from purine.cli import main
 from purine.errors import PurineError
+from purine.parallel import build_solver
 
 # "extra" exists in the TEST net only: the solver's weights reach the test nets too.
 NET = """name: "small"
@@ -163,7 +164,7 @@ def test_layer_wise_reduce_either_way_trains_the_same(tmp_path):
     # the same bits (the flag only schedules Caffe's NCCL reductions).
     runs = []
     for flag in ("true", "false"):
-        s = Solver(write_solver(tmp_path, layer_wise_reduce=flag), replicas=2)
+        s = build_solver(write_solver(tmp_path, layer_wise_reduce=flag), replicas=2)
         s.step(3)
         runs.append(s.net.params["ip"][0].data.copy())
     assert np.array_equal(runs[0], runs[1])

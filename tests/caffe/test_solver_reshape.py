@@ -9,6 +9,7 @@ import pytest
 from purine.caffe.solver import Solver
 from purine.errors import PurineError
 from purine.ops import solver as so
+from purine.parallel import build_solver
 
 
 def net_text(batch: int, h5_list: str) -> str:
@@ -167,7 +168,7 @@ def test_a_shape_the_layers_cannot_take_leaves_the_solver_as_it_was(tmp_path):
 
 
 def test_replicas_refuse_naming_the_blob(tmp_path):
-    with Solver(solver_text(4, tmp_path), replicas=2) as s:
+    with build_solver(solver_text(4, tmp_path), replicas=2) as s:
         s.net.blobs["x"].reshape(8, 3)
         with pytest.raises(PurineError, match=r"training 2 data-parallel replicas cannot be "
                                               r"rebuilt; input blob 'x' \(4, 3\) was "

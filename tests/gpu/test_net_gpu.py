@@ -366,6 +366,7 @@ def test_lenet_on_the_gpu_reproduces_the_cpu_losses_over_100_iterations(tmp_path
 @requires_gpu
 def test_shared_memory_and_two_streams_train_as_the_plain_gpu_run(tmp_path):
     from purine.caffe.solver import Solver
+    from purine.parallel import build_solver
 
     param = lenet_solver(tmp_path)
     plain = Solver(param, location=GPU0)
@@ -373,9 +374,9 @@ def test_shared_memory_and_two_streams_train_as_the_plain_gpu_run(tmp_path):
     shared = Solver(param, location=GPU0, share_memory=True)
     np.testing.assert_allclose(losses(shared, 20), want, rtol=1e-6)
     # two replicas on two streams of the one GPU train as one net with twice the batch
-    two = Solver(param, location=GPU0, replicas=2,
-                 replica_locations=[Location("gpu", 0, 1)])
-    cpu_two = Solver(param, replicas=2)
+    two = build_solver(param, location=GPU0, replicas=2,
+                       replica_locations=[Location("gpu", 0, 1)])
+    cpu_two = build_solver(param, replicas=2)
     np.testing.assert_allclose(losses(two, 20), losses(cpu_two, 20), rtol=1e-4)
     synchronize(GPU0)
 

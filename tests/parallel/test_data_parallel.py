@@ -8,6 +8,7 @@ from purine.caffe.solver import Solver, read_solver
 from purine.datasets.mnist import load_mnist_5k, write_mnist_lmdb
 from purine.formats import caffe_pb2 as pb
 from purine.formats.prototxt import read_net
+from purine.parallel import build_solver
 from purine.zoo import model_file
 
 
@@ -43,7 +44,7 @@ def test_replicas_equal_one_net_with_the_whole_batch(mnist_db, replicas):
     b = 8
     single = Solver(lenet_solver(mnist_db, b * replicas))
     single.step(10)
-    parallel = Solver(lenet_solver(mnist_db, b), replicas=replicas)
+    parallel = build_solver(lenet_solver(mnist_db, b), replicas=replicas)
     locations = {op.location for op in parallel._pass_ops()}
     assert len(locations) == replicas + 1  # one worker per replica, one for the all-reduce
     parallel.step(10)
@@ -60,10 +61,10 @@ def test_replicas_in_other_memory_spaces_copy_weights_in_and_gradients_home(mnis
     Copy ops, and sends its gradients home by Copy ops; the numbers do not change."""
     from purine.graph import Location
 
-    shared = Solver(lenet_solver(mnist_db, 8), replicas=2)
+    shared = build_solver(lenet_solver(mnist_db, 8), replicas=2)
     shared.step(10)
-    apart = Solver(lenet_solver(mnist_db, 8), replicas=2,
-                   replica_locations=[Location("cpu", 1)])
+    apart = build_solver(lenet_solver(mnist_db, 8), replicas=2,
+                         replica_locations=[Location("cpu", 1)])
     copies = [op for op in apart._pass_ops() if op.type == "Copy"]
     assert {op.name.split("/")[1] for op in copies} == {"pull", "push"}
     assert len(copies) == 2 * len(apart.net.builder.learnable_params)
@@ -106,7 +107,7 @@ def test_cifar10_quick_replicas_equal_one_net_with_the_whole_batch(cifar_db, rep
     b = 4
     single = Solver(cifar_solver(b * replicas))
     single.step(10)
-    parallel = Solver(cifar_solver(b), replicas=replicas)
+    parallel = build_solver(cifar_solver(b), replicas=replicas)
     parallel.step(10)
     for layer, views in single.net.params.items():
         for k, v in enumerate(views):
@@ -131,8 +132,8 @@ def test_batchnorm_statistics_advance_once_per_iteration_with_replicas():
     layer { name: "loss" type: "EuclideanLoss" bottom: "p" bottom: "y" top: "loss" }"""
 
     def run(**kw) -> float:
-        s = Solver(pb.SolverParameter(net_param=read_net(net), base_lr=0.1, max_iter=3,
-                                      lr_policy="fixed", random_seed=1), **kw)
+        s = build_solver(pb.SolverParameter(net_param=read_net(net), base_lr=0.1, max_iter=3,
+                                            lr_policy="fixed", random_seed=1), **kw)
         s.step(3)
         return [v.data.copy() for v in s.net.params["bn"]]
 

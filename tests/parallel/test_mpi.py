@@ -15,12 +15,12 @@ import pytest
 from google.protobuf import text_format
 
 from purine.caffe import TRAIN, Net
-from purine.caffe.solver import PRIVATE_STATE_FIELD, Solver
+from purine.caffe.solver import PRIVATE_STATE_FIELD
 from purine.cli import main
 from purine.datasets.mnist import load_mnist_5k, write_mnist_lmdb
 from purine.formats import caffe_pb2 as pb
 from purine.formats.wire import length_fields
-from purine.parallel import mpi
+from purine.parallel import build_solver, mpi
 from tests.parallel.test_data_parallel import lenet_solver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -117,13 +117,13 @@ def test_two_ranks_train_as_two_replicas_and_rank0_alone_writes(launcher, tmp_pa
     pids = set(re.findall(r"^[IWE]\d{4} [\d:.]+ +(\d+) ", log, re.M))
     assert len(pids) == 1, pids  # one process logged
 
-    reference = Solver(lenet_solver(mnist_db, BATCH, 10), replicas=2)
+    reference = build_solver(lenet_solver(mnist_db, BATCH, 10), replicas=2)
     reference.step(10)
     assert_same_weights(load(str(tmp_path / "rank0" / "snap" / "lenet_iter_10.caffemodel"),
                              mnist_db), reference.net)
     # The displayed loss is the mean over both ranks' replicas, as the reference's.
     first = float(re.search(r"\] Iteration 0 .*loss = (\S+)", log).group(1))
-    again = Solver(lenet_solver(mnist_db, BATCH, 1), replicas=2)
+    again = build_solver(lenet_solver(mnist_db, BATCH, 1), replicas=2)
     assert first == pytest.approx(again._iteration(), rel=1e-5)
 
 
@@ -143,7 +143,7 @@ def test_two_ranks_of_two_replicas_resume_and_equal_four_replicas(launcher, tmp_
 
     mpirun(launcher, tmp_path, 2, "--solver", write_solver(tmp_path, mnist_db, 10, prefix),
            "--replicas", "2", "--snapshot", state)
-    reference = Solver(lenet_solver(mnist_db, BATCH, 10), replicas=4)
+    reference = build_solver(lenet_solver(mnist_db, BATCH, 10), replicas=4)
     reference.step(10)
     assert_same_weights(load(f"{prefix}_iter_10.caffemodel", mnist_db), reference.net)
     with open(f"{prefix}_iter_10.solverstate", "rb") as f:
@@ -169,17 +169,17 @@ def test_exchange_ops_are_chained_in_reverse_parameter_order_at_the_server(mnist
                                                                           monkeypatch):
     monkeypatch.setattr(mpi, "_mpi", lambda: SimpleNamespace(IN_PLACE=None, SUM="sum",
                                                                MAX="max"))
-    s = Solver(lenet_solver(mnist_db, BATCH, 1), comm=OneRankOfTwo())
+    s = build_solver(lenet_solver(mnist_db, BATCH, 1), comm=OneRankOfTwo())
     params = [w.name for w in s.net.builder.learnable_params]
-    assert [o.name for o in s.mpi.ops] == [f"mpi/all_reduce/{n}" for n in reversed(params)]
+    assert [o.name for o in s.scheme.mpi.ops] == [f"mpi/all_reduce/{n}" for n in reversed(params)]
     deps = s.net.graph.dependencies(s._pass_ops() + s.update_ops)
-    for before, after in zip(s.mpi.ops, s.mpi.ops[1:]):
+    for before, after in zip(s.scheme.mpi.ops, s.scheme.mpi.ops[1:]):
         assert before in deps[after]  # the token orders them
     net_locations = {o.location for o in s.net._forward_ops + s.net._backward_ops}
-    assert {o.location for o in s.mpi.ops + s.update_ops} == {s.mpi.server}
-    assert s.mpi.server not in net_locations  # the exchange does not block the backward
+    assert {o.location for o in s.scheme.mpi.ops + s.update_ops} == {s.scheme.mpi.server}
+    assert s.scheme.mpi.server not in net_locations  # the exchange does not block the backward
     for u in s.updates:  # an update waits for its gradient's exchange
-        exchange = next(o for o in s.mpi.ops if o.name.endswith(f"/{u.param.name}"))
+        exchange = next(o for o in s.scheme.mpi.ops if o.name.endswith(f"/{u.param.name}"))
         update = next(o for o in s.update_ops if o.name == f"solver/{u.param.name}/prepare")
         assert exchange in deps[update]
     s.step(1)

@@ -3,9 +3,9 @@ exchange of the top layers runs while the lower layers' backward pass still runs
 
 import json
 
-from purine.caffe.solver import Solver
 from purine.formats import caffe_pb2 as pb
 from purine.formats.prototxt import filter_net, read_net, replace_data_layers
+from purine.parallel import build_solver
 from purine.runtime.trace import chrome_trace
 from purine.zoo import model_file
 
@@ -16,7 +16,7 @@ def test_top_layer_all_reduce_overlaps_lower_backward(tmp_path):
     net = replace_data_layers(net, {"data": (2, 3, 227, 227), "label": (2,)})
     solver = pb.SolverParameter(net_param=net, base_lr=0.01, momentum=0.9, max_iter=1,
                                 lr_policy="fixed", random_seed=1)
-    s = Solver(solver, replicas=2)
+    s = build_solver(solver, replicas=2)
     d = s.net.dispatcher
     d.profile = True
     s._iteration()

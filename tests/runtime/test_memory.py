@@ -10,6 +10,7 @@ from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.formats.prototxt import read_net
 from purine.graph import Graph, Location
+from purine.parallel import build_solver
 from purine.runtime import Dispatcher
 from purine.runtime.memory import Buffer, blob_nbytes, plan_memory
 from purine.zoo import model_file
@@ -323,7 +324,7 @@ def test_training_with_shared_memory_is_bit_identical(name, mode, request):
     param.iter_size = kw.pop("iter_size", 1)
 
     def train(share: bool):
-        s = Solver(param, share_memory=share, **kw)
+        s = build_solver(param, share_memory=share, **kw)
         if share:
             poison(s)
         losses = [s._iteration() for _ in range(3)]

@@ -7,6 +7,9 @@ backward op calls ``backward``, with the blobs' arrays bound to the net's storag
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -165,12 +168,56 @@ def layer_object(L: LayerBuild, array: Callable[[Blob], Any]) -> Any | None:
     return inst.obj
 
 
-def _caffe_shim() -> None:
-    """A user's module says ``import caffe``: let that resolve to purine.pycaffe when no
-    real Caffe is installed (see purine.pycaffe.install_as_caffe)."""
-    from purine import pycaffe
+# -- the `caffe` module a user's layer module imports ----------------------------------------
+# The pycaffe face (purine.pycaffe) registers its install_as_caffe here when it is imported:
+# the builder calls what the layer above provided and never imports it. A net built while
+# that face is not loaded (through purine.caffe or the CLI) gets a stand-in `caffe` that
+# offers what a layer module takes from it: Layer, TRAIN, TEST and proto.caffe_pb2.
+_caffe_installer: Callable[[], bool] | None = None
+STANDIN = "__purine_python_layer_standin__"  # marks the stand-in, which pycaffe may replace
 
-    pycaffe.install_as_caffe()
+
+def provide_caffe(install: Callable[[], bool]) -> None:
+    """Register the function that makes ``import caffe`` work inside a Python layer's
+    module; purine.pycaffe registers its ``install_as_caffe`` when it is imported."""
+    global _caffe_installer
+    _caffe_installer = install
+
+
+def caffe_name_free() -> bool:
+    """Whether ``import caffe`` may be pointed at purine: no ``caffe`` is imported (but the
+    stand-in) and no real Caffe is importable. A ``caffe`` directory without ``__init__.py``
+    (a Caffe source checkout seen as a namespace package) is no installed Caffe."""
+    current = sys.modules.get("caffe")
+    if current is not None:
+        return bool(getattr(current, STANDIN, False))
+    spec = importlib.util.find_spec("caffe")
+    return spec is None or spec.origin in (None, "namespace")
+
+
+def _standin_getattr(name: str) -> Any:
+    raise AttributeError(f"caffe.{name}: while purine.pycaffe is not imported, `import caffe` "
+                         "in a Python layer's module gives a stand-in with Layer, TRAIN, TEST "
+                         "and proto only; import purine.pycaffe before building the net for "
+                         "the whole pycaffe API")
+
+
+def _install_standin() -> None:
+    caffe = types.ModuleType("caffe", "purine's stand-in `caffe` for Python layer modules")
+    proto = types.ModuleType("caffe.proto")
+    proto.caffe_pb2 = pb  # type: ignore[attr-defined]
+    caffe.__dict__.update({"Layer": Layer, "TRAIN": pb.TRAIN, "TEST": pb.TEST, "proto": proto,
+                           STANDIN: True, "__getattr__": _standin_getattr})
+    sys.modules.update({"caffe": caffe, "caffe.proto": proto, "caffe.proto.caffe_pb2": pb})
+
+
+def _import_caffe() -> None:
+    """A user's module says ``import caffe``: let that resolve to purine's pycaffe face (or
+    the stand-in) when no real Caffe is installed; an installed Caffe is never replaced."""
+    if _caffe_installer is not None:
+        _caffe_installer()
+    elif caffe_name_free() and "caffe" not in sys.modules:
+        _install_standin()
 
 
 def _previous(L: LayerBuild) -> _Instance | None:
@@ -185,7 +232,7 @@ def _previous(L: LayerBuild) -> _Instance | None:
 
 
 def _load(L: LayerBuild, module: str, name: str) -> type:
-    _caffe_shim()
+    _import_caffe()
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
