@@ -1,4 +1,4 @@
-"""The package stack of ARCHITECTURE.md, checked on every import under purine/ and converters/:
+"""The package stack of ARCHITECTURE.md, checked on every import under purine/:
 imports point downward only, and neither packages nor modules import each other in a circle.
 
 How the imports are read (with ``ast``; nothing is executed):
@@ -12,8 +12,7 @@ How the imports are read (with ``ast``; nothing is executed):
 - Importing ``P.Q.m`` runs ``P/__init__`` and ``P/Q/__init__`` first: for rule (3) it also points
   at those package modules (the ones that are not the importer's own parents). Within a
   package, modules import each other freely, but not in a circle.
-- ``converters.X`` and ``purine.converters.X`` are one module: the repository's converters/
-  folder installs as ``purine.converters``.
+- ``converters.X`` (the tools' old top-level name) is read as ``purine.converters.X``.
 
 Today's tree breaks the table in known ways (issue 14): EXCEPTIONS names each offending edge
 with its reason and the issue-14 step that removes it. The list may only shrink: an exception
@@ -31,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # (folder, the dotted name its modules import under)
-SOURCES = ((REPO / "purine", "purine"), (REPO / "converters", "purine.converters"))
+SOURCES = ((REPO / "purine", "purine"),)
 
 # The layer table, bottom to top: package -> the packages it may import (besides itself).
 # Packages are purine's subpackages and top-level modules; "purine" is purine/__init__.py.
