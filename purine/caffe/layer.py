@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from purine.backend import RandomStream
-from purine.errors import LayerError
+from purine.errors import LayerError, PurineError
 from purine.formats import caffe_pb2 as pb
 
 # kernel and Stateful live in purine.graph; imported here for this module's use and re-exported
@@ -54,7 +54,9 @@ class LegacyAxes:
 class NetServices(Protocol):
     """What a layer under construction asks of the net it joins (purine.caffe.net's
     NetBuilder provides it): calls go from the net down into builders and from a builder
-    into this interface, so this module knows nothing of the net module."""
+    into this interface, so this module knows nothing of the net module. The services take
+    plain values (names, shapes, specs, locations), never the LayerBuild, and raise a
+    PurineError the LayerBuild turns into its own LayerError."""
 
     phase: int
     dtype: str
@@ -71,15 +73,16 @@ class NetServices(Protocol):
     layers: list[LayerBuild]
     previous: NetServices | None  # the build this one replaces (a reshape), if any
 
-    def add_param(self, layer: LayerBuild, k: int, shape: tuple[int, ...],
-                  filler: pb.FillerParameter | None, lr_mult: float | None) -> Blob: ...
+    def add_param(self, layer: str, k: int, shape: tuple[int, ...], spec: pb.ParamSpec,
+                  filler: pb.FillerParameter | None, lr_mult: float | None,
+                  rng: np.random.Generator, location: Location) -> Blob: ...
 
-    def add_op(self, layer: LayerBuild, op_type: str, inputs: Sequence[Blob],
-               outputs: Sequence[Blob], k: Any) -> Op: ...
+    def add_op(self, layer: str, op_type: str, inputs: Sequence[Blob],
+               outputs: Sequence[Blob], k: Any, location: Location) -> Op: ...
 
     def diff(self, name: str) -> Blob: ...
 
-    def param_diff(self, layer: LayerBuild, k: int) -> Blob: ...
+    def param_diff(self, layer: str, k: int, param: Blob) -> Blob: ...
 
     def param_grad(self, b: Blob) -> Blob: ...
 
@@ -199,8 +202,16 @@ class LayerBuild:
                   *, lr_mult: float | None = None) -> Blob:
         """The layer's next parameter blob, initialised with ``filler`` (or shared by
         ``ParamSpec.name``); ``lr_mult`` overrides the default of 1 where Caffe does."""
-        b = self.net.add_param(self, len(self.params), tuple(int(d) for d in shape), filler,
-                               lr_mult)
+        k = len(self.params)
+        specs = self.param.param
+        spec = specs[k] if k < len(specs) else pb.ParamSpec()
+        try:
+            b = self.net.add_param(self.name, k, tuple(int(d) for d in shape), spec, filler,
+                                   lr_mult, self.rng(k), self.location)
+        except LayerError:
+            raise
+        except PurineError as e:
+            raise self.error(str(e)) from None
         self.params.append(b)
         return b
 
@@ -228,7 +239,7 @@ class LayerBuild:
         return g.blobs[name] if name in g.blobs else g.blob(name, m.shape, m.dtype, m.location)
 
     def param_diff(self, k: int) -> Blob:
-        return self.net.param_diff(self, k)
+        return self.net.param_diff(self.name, k, self.params[k])
 
     def scratch(self, suffix: str, shape: Sequence[int], dtype: str | None = None) -> Blob:
         """A blob private to this layer (a mask, an argmax index, a saved statistic)."""
@@ -257,13 +268,15 @@ class LayerBuild:
     # -- ops --------------------------------------------------------------------------
     def forward(self, fn: Callable[..., None], inputs: Sequence[Blob], outputs: Sequence[Blob],
                 op_type: str | None = None, **params: Any) -> Op:
-        op = self.net.add_op(self, op_type or _op_type(fn), inputs, outputs, kernel(fn, **params))
+        op = self.net.add_op(self.name, op_type or _op_type(fn), inputs, outputs,
+                             kernel(fn, **params), self.location)
         self.forward_ops.append(op)
         return op
 
     def backward(self, fn: Callable[..., None], inputs: Sequence[Blob],
                  outputs: Sequence[Blob], op_type: str | None = None, **params: Any) -> Op:
-        op = self.net.add_op(self, op_type or _op_type(fn), inputs, outputs, kernel(fn, **params))
+        op = self.net.add_op(self.name, op_type or _op_type(fn), inputs, outputs,
+                             kernel(fn, **params), self.location)
         self.backward_ops.append(op)
         return op
 

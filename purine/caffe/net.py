@@ -89,8 +89,9 @@ class NetBuilder:
         self.loss_tops: list[tuple[Blob, float]] = []
         self.seed_ops: list[Op] = []
         self._diffs: dict[str, Blob] = {}
-        self._shared: dict[str, tuple[LayerBuild, int]] = {}
-        self._param_uses: dict[Blob, list[tuple[LayerBuild, int]]] = {}
+        self._shared: dict[str, tuple[str, Blob]] = {}  # share name -> (owner layer, blob)
+        # parameter blob -> (layer name, index) of each use, its owner first
+        self._param_uses: dict[Blob, list[tuple[str, int]]] = {}
         self._use_diffs: dict[tuple[str, int], Blob] = {}
         self._n_ops = 0
         self.stateful: dict[str, Stateful] = {}  # run-time state snapshots must keep
@@ -112,17 +113,17 @@ class NetBuilder:
             close_all(self.stateful.values())  # the data layers built so far
             raise
 
-    # -- services for LayerBuild -------------------------------------------------------
-    def add_op(self, layer: LayerBuild, op_type: str, inputs: Iterable[Blob],
-               outputs: Iterable[Blob], k) -> Op:
-        loc = layer.location
+    # -- services for LayerBuild (plain values in, never the LayerBuild) ----------------
+    def add_op(self, layer: str, op_type: str, inputs: Iterable[Blob],
+               outputs: Iterable[Blob], k, location: Location) -> Op:
+        loc = location
         if self.threads > 1 and not self.placement:
             loc = Location(loc.device, loc.index, self._n_ops % self.threads, loc.host)
         self._n_ops += 1
-        name, n = f"{layer.name}/{op_type}", 1
+        name, n = f"{layer}/{op_type}", 1
         while self.graph.has_op(name):
             n += 1
-            name = f"{layer.name}/{op_type}#{n}"
+            name = f"{layer}/{op_type}#{n}"
         return self.graph.op(name, op_type, inputs, outputs, k, loc)
 
     def diff(self, name: str) -> Blob:
@@ -132,19 +133,20 @@ class NetBuilder:
             d = self._diffs[name] = self.graph.blob(f"{name}@diff", b.shape, b.dtype, b.location)
         return d
 
-    def add_param(self, layer: LayerBuild, k: int, shape: tuple[int, ...],
-                  filler: pb.FillerParameter | None, lr_mult: float | None) -> Blob:
-        spec = layer.param.param[k] if k < len(layer.param.param) else pb.ParamSpec()
+    def add_param(self, layer: str, k: int, shape: tuple[int, ...], spec: pb.ParamSpec,
+                  filler: pb.FillerParameter | None, lr_mult: float | None,
+                  rng: np.random.Generator, location: Location) -> Blob:
+        """Parameter ``k`` of ``layer``: a new blob filled from ``rng``, or the blob shared
+        under ``spec.name``. Raises a PurineError the layer names."""
         if lr_mult is not None and spec.HasField("lr_mult") and spec.lr_mult != lr_mult:
-            raise layer.error(f"parameter {k} must have lr_mult {lr_mult}, got {spec.lr_mult}")
+            raise PurineError(f"parameter {k} must have lr_mult {lr_mult}, got {spec.lr_mult}")
         mult = spec.lr_mult if spec.HasField("lr_mult") else (1.0 if lr_mult is None else lr_mult)
         if spec.name and spec.name in self._shared:
-            owner, ok = self._shared[spec.name]
-            b = owner.params[ok]
+            owner, b = self._shared[spec.name]
             if b.shape != shape:
                 permissive = spec.share_mode == pb.ParamSpec.PERMISSIVE
-                raise layer.error(
-                    f"shares parameter '{spec.name}' of layer '{owner.name}' but needs shape "
+                raise PurineError(
+                    f"shares parameter '{spec.name}' of layer '{owner}' but needs shape "
                     f"{shape}, the owner has {b.shape}" + (
                         " (PERMISSIVE sharing of equal counts in other shapes is not "
                         "supported)" if permissive and b.count == int(np.prod(shape)) else ""))
@@ -153,30 +155,32 @@ class NetBuilder:
                 if spec.HasField(field_):
                     mine = getattr(spec, field_)
                     if b.meta[field_ + "_set"] and b.meta[field_] != mine:
-                        raise layer.error(f"shared parameter '{spec.name}' has {field_} "
+                        raise PurineError(f"shared parameter '{spec.name}' has {field_} "
                                           f"{mine:g} here and {b.meta[field_]:g} in layer "
-                                          f"'{owner.name}'")
+                                          f"'{owner}'")
                     b.meta[field_], b.meta[field_ + "_set"] = mine, True
             self._param_uses[b].append((layer, k))
             return b
-        b = self.graph.blob(f"{layer.name}[{k}]", shape, self.dtype, layer.location,
-                            lr_mult=mult, decay_mult=spec.decay_mult, layer=layer.name,
+        b = self.graph.blob(f"{layer}[{k}]", shape, self.dtype, location,
+                            lr_mult=mult, decay_mult=spec.decay_mult, layer=layer,
                             index=k, share_name=spec.name,
                             lr_mult_set=spec.HasField("lr_mult") or lr_mult is not None,
                             decay_mult_set=spec.HasField("decay_mult"))
         if spec.name:
-            self._shared[spec.name] = (layer, k)
+            self._shared[spec.name] = (layer, b)
         self._param_uses[b] = [(layer, k)]
-        self.initial[b] = fill(filler or pb.FillerParameter(), shape, layer.rng(k), layer.name)
+        self.initial[b] = fill(filler or pb.FillerParameter(), shape, rng, layer)
         return b
 
-    def param_diff(self, layer: LayerBuild, k: int) -> Blob:
-        b = layer.params[k]
+    def param_diff(self, layer: str, k: int, param: Blob) -> Blob:
+        """The gradient ``layer``'s use ``k`` of ``param`` writes (its own blob where the
+        parameter is shared, summed into param_grad afterwards)."""
+        b = param
         if len(self._param_uses[b]) == 1:
             return self.param_grad(b)
-        key = (layer.name, k)
+        key = (layer, k)
         if key not in self._use_diffs:
-            self._use_diffs[key] = self.graph.blob(f"{layer.name}[{k}]@diff", b.shape,
+            self._use_diffs[key] = self.graph.blob(f"{layer}[{k}]@diff", b.shape,
                                                    b.dtype, b.location)
         return self._use_diffs[key]
 
@@ -333,11 +337,10 @@ class NetBuilder:
         for b, uses in self._param_uses.items():
             if len(uses) < 2:
                 continue
-            parts = [self._use_diffs[(L.name, k)] for L, k in uses
-                     if (L.name, k) in self._use_diffs and self.graph.writers(
-                         self._use_diffs[(L.name, k)])]
+            parts = [self._use_diffs[use] for use in uses
+                     if use in self._use_diffs and self.graph.writers(self._use_diffs[use])]
             if parts:
-                owner = uses[0][0]
+                owner = next(L for L in self.layers if L.name == uses[0][0])
                 op = self.graph.op(f"{b.name}/SumSharedDiff", "Sum", parts,
                                    [self.param_grad(b)], kernel(tensor.sum), self.location)
                 owner.backward_ops.append(op)
@@ -696,7 +699,7 @@ class Net:
     def _owns(self, layer: str, k: int) -> bool:
         """Whether ``layer``'s parameter ``k`` is its own (not shared from another layer)."""
         blob = self.params[layer][k]._data
-        return self.builder._param_uses[blob][0][0].name == layer
+        return self.builder._param_uses[blob][0][0] == layer
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the parameters as a .caffemodel (temporary file, then rename): every layer
