@@ -14,6 +14,34 @@ def _flag(p: argparse.ArgumentParser, name: str, **kw) -> None:
     p.add_argument(f"-{name}", f"--{name}", **kw)
 
 
+INT32_MIN, INT32_MAX = -(2 ** 31), 2 ** 31 - 1
+MAX_THREADS = 1024  # more workers than that only contend for the same cores
+MAX_REPLICAS = 4096  # each replica builds a whole copy of the net in this process
+
+
+def _int_in(lo: int, hi: int, why: str = ""):
+    """An argparse ``type`` that takes an integer in [lo, hi]; outside, argparse's one-line
+    error (exit code 2) says the range and, when given, why it is bounded so."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer from {lo} to {hi}{why}, got {v}")
+        return v
+    parse.__name__ = "integer"
+    return parse
+
+
+_COUNT = _int_in(0, INT32_MAX, " (a 32-bit count, as Caffe's)")
+_LEVEL = _int_in(INT32_MIN, INT32_MAX, " (NetState.level is a 32-bit integer)")
+_THREADS = _int_in(1, MAX_THREADS, f" (more than {MAX_THREADS} workers only contend)")
+_REPLICAS = _int_in(1, MAX_REPLICAS, " (each replica is a whole copy of the net in this "
+                    "process; use MPI across machines for more)")
+
+
 def _stages(s: str | None) -> list[str]:
     return [x for x in (s or "").split(",") if x]
 
@@ -125,12 +153,8 @@ def _train(args: argparse.Namespace, comm) -> int:
     if args.level is not None:
         param.train_state.level = args.level
     param.train_state.stage.extend(_stages(args.stage))
-    if args.iterations is not None:
-        if args.iterations < 0:
-            raise PurineError(f"--iterations must be 0 or more, got {args.iterations}")
+    if args.iterations is not None:  # its range was checked with the arguments
         param.max_iter = args.iterations
-    if args.replicas < 1:
-        raise PurineError(f"--replicas must be 1 or more, got {args.replicas}")
     if args.snapshot and param.random_seed < 0:  # resume with the run's own random streams
         seed = snapshot_seed(args.snapshot)
         if seed is not None:
@@ -241,13 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("time", help="benchmark the forward and backward pass of a net, "
                                     "per layer, as `caffe time` does")
     _flag(p, "model", required=True, help="the net prototxt")
-    _flag(p, "iterations", type=int, default=50, help="iterations to time (default 50)")
+    _flag(p, "iterations", type=_COUNT, default=50, help="iterations to time (default 50)")
     _flag(p, "gpu", default=None, help="GPU ids: 0, or 0,1 (one replica each), or all")
     _flag(p, "tf32", action="store_true",
           help="TF32 tensor cores in GPU matrix products (faster, ~1e-3 relative error)")
-    _flag(p, "level", type=int, default=0, help="NetState level")
+    _flag(p, "level", type=_LEVEL, default=0, help="NetState level")
     _flag(p, "stage", default=None, help="comma-separated NetState stages")
-    _flag(p, "threads", type=int, default=1,
+    _flag(p, "threads", type=_THREADS, default=1,
           help="spread the ops over this many dispatcher worker threads")
     _flag(p, "placement", default=None,
           help="a placement file: where each named layer runs; a layer given several "
@@ -264,16 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "gpu", default=None, help="GPU ids: 0, or 0,1 (one replica each), or all")
     _flag(p, "tf32", action="store_true",
           help="TF32 tensor cores in GPU matrix products (faster, ~1e-3 relative error)")
-    _flag(p, "iterations", type=int, default=None, help="override the solver's max_iter")
+    _flag(p, "iterations", type=_COUNT, default=None, help="override the solver's max_iter")
     _flag(p, "sigint_effect", default="stop", choices=["stop", "snapshot", "none"],
           help="what Ctrl-C does (default stop)")
     _flag(p, "sighup_effect", default="snapshot", choices=["stop", "snapshot", "none"],
           help="what SIGHUP does (default snapshot)")
-    _flag(p, "level", type=int, default=None, help="the train net's NetState level")
+    _flag(p, "level", type=_LEVEL, default=None, help="the train net's NetState level")
     _flag(p, "stage", default=None, help="comma-separated stages added to the train net")
-    _flag(p, "threads", type=int, default=1,
+    _flag(p, "threads", type=_THREADS, default=1,
           help="spread the ops over this many dispatcher worker threads")
-    _flag(p, "replicas", type=int, default=1,
+    _flag(p, "replicas", type=_REPLICAS, default=1,
           help="data-parallel CPU replicas, each taking batch_size samples per iteration "
                "(gradients are averaged: N replicas train as one net with N x batch_size); "
                "under mpirun, per rank")
@@ -281,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default=True,
                    help="let blobs whose lifetimes in an iteration do not overlap share "
                         "buffers (the memory planner; default on)")
-    _flag(p, "async", dest="staleness", type=int, default=None, metavar="S",
+    _flag(p, "async", dest="staleness", type=_COUNT, default=None, metavar="S",
           help="asynchronous parameter-server training (Downpour style): the --replicas "
                "replicas pull the weights, compute and push their gradients on their own, "
                "each push one solver iteration; a replica waits while it is more than S "
@@ -298,11 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("test", help="score a model: run the TEST net and average outputs")
     _flag(p, "model", required=True, help="the net prototxt")
     _flag(p, "weights", default=None, help="the .caffemodel to test")
-    _flag(p, "iterations", type=int, default=50, help="batches to run (default 50)")
+    _flag(p, "iterations", type=_COUNT, default=50, help="batches to run (default 50)")
     _flag(p, "gpu", default=None, help="GPU ids: 0, or 0,1 (one replica each), or all")
     _flag(p, "tf32", action="store_true",
           help="TF32 tensor cores in GPU matrix products (faster, ~1e-3 relative error)")
-    _flag(p, "level", type=int, default=None, help="NetState level")
+    _flag(p, "level", type=_LEVEL, default=None, help="NetState level")
     _flag(p, "stage", default=None, help="comma-separated NetState stages")
     p.set_defaults(run=cmd_test)
 
@@ -351,8 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(p, "dir", default="purine-demo", help="where the LMDBs and the final snapshot go "
                                                "(default ./purine-demo; examples/mnist "
                                                "gives models/lenet the LMDBs it expects)")
-    _flag(p, "iterations", type=int, default=1000, help="training iterations (default 1000)")
-    _flag(p, "threads", type=int, default=1, help="dispatcher worker threads")
+    _flag(p, "iterations", type=_COUNT, default=1000, help="training iterations (default 1000)")
+    _flag(p, "threads", type=_THREADS, default=1, help="dispatcher worker threads")
     _flag(p, "data-only", action="store_true",
           help="write the two LMDBs and exit (--dir examples/mnist: models/lenet's data)")
     p.set_defaults(run=cmd_demo)

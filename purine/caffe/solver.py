@@ -634,11 +634,12 @@ class Solver:
                 loss += net.loss
             for name, v in out.items():
                 sums[name] = sums.get(name, 0) + to_host(v).astype(np.float64)
-        n = max(1, p.test_iter[i])
+        n = p.test_iter[i]
         means = {k: v / n for k, v in sums.items()}
-        if p.test_compute_loss:
-            self.log.info("Test loss: %g", loss / n)
-        self._log_outputs(net, "Test", means)
+        if p.test_compute_loss:  # 0 / 0 over zero batches is NaN, as Caffe logs it
+            self.log.info("Test loss: %g", loss / n if n else math.nan)
+        if n:  # zero batches: no output to average, so no output line, as in Caffe
+            self._log_outputs(net, "Test", means)
         return means
 
     # -- snapshots -----------------------------------------------------------------------
@@ -726,6 +727,9 @@ class Solver:
         """What either snapshot format restores after the private state: the learned net,
         the solver's history (``fit(k, value, blob)`` checks the k-th stored value against
         its blob and gives the array to assign) and the iteration."""
+        if it < 0:  # Caffe never writes one; the lr policies have no value there
+            raise PurineError(f"{where}: iter is {it}; a solver state's iteration must be 0 "
+                              "or more")
         if learned_net:
             self.net.copy_from(learned_net)
         hist = self._history()

@@ -41,28 +41,41 @@ def rate(policy: str, it: int, *, base_lr: float, gamma: float = 0.0, power: flo
         raise PurineError(f"lr_policy '{policy}' needs gamma >= 0, got {gamma}")
     if policy in ("step", "sigmoid") and stepsize <= 0:
         raise PurineError(f"lr_policy '{policy}' needs stepsize > 0, got {stepsize}")
-    if policy == "fixed":
-        return float(base_lr)
-    if policy == "step":
-        return base_lr * gamma ** (it // stepsize)
-    if policy == "exp":
-        return base_lr * gamma ** it
-    if policy == "inv":
-        return base_lr * (1.0 + gamma * it) ** (-power)
-    if policy == "multistep":
-        # Caffe advances current_step_ by at most one per iteration; from iteration 0 (or a
-        # solverstate that saved it) that equals the number of step values already reached.
-        return base_lr * gamma ** sum(1 for s in stepvalues if it >= s)
-    if policy == "poly":
-        if max_iter <= 0:
-            raise PurineError(f"lr_policy 'poly' needs max_iter > 0, got {max_iter}")
-        left = 1.0 - it / max_iter
-        # past max_iter a fractional power has no real value: Caffe's pow() gives NaN
-        return base_lr * left ** power if left >= 0 or float(power).is_integer() else math.nan
-    if policy == "sigmoid":
-        return base_lr / (1.0 + math.exp(-gamma * (it - stepsize)))
-    raise PurineError(
-        f"unknown lr_policy '{policy}': expected one of {', '.join(LR_POLICIES)}")
+    if policy == "poly" and max_iter <= 0:
+        raise PurineError(f"lr_policy 'poly' needs max_iter > 0, got {max_iter}")
+    if policy not in LR_POLICIES:
+        raise PurineError(
+            f"unknown lr_policy '{policy}': expected one of {', '.join(LR_POLICIES)}")
+    # float64 scalars and silenced flags give C's IEEE results where Python's float raises:
+    # a power or exp past 1e308 is inf (sigmoid's 1 / (1 + inf) is then 0), 0 ** -p is inf,
+    # a negative base with a fractional power is NaN (never a complex number)
+    f = np.float64
+    with np.errstate(all="ignore"):
+        if policy == "fixed":
+            r = f(base_lr)
+        elif policy == "step":
+            r = f(base_lr) * f(gamma) ** f(it // stepsize)
+        elif policy == "exp":
+            r = f(base_lr) * f(gamma) ** f(it)
+        elif policy == "inv":
+            r = f(base_lr) * (f(1.0) + f(gamma) * f(it)) ** f(-power)
+        elif policy == "multistep":
+            # Caffe advances current_step_ by at most one per iteration; from iteration 0
+            # (or a solverstate that saved it) that is the number of step values reached.
+            r = f(base_lr) * f(gamma) ** f(sum(1 for s in stepvalues if it >= s))
+        elif policy == "poly":
+            r = f(base_lr) * (f(1.0) - f(it) / f(max_iter)) ** f(power)
+        else:  # sigmoid; the host libm's exp (numpy's may differ in the last place)
+            r = f(base_lr) / (f(1.0) + _exp(float(-f(gamma) * f(it - stepsize))))
+    return float(r)
+
+
+def _exp(x: float) -> np.float64:
+    """C's exp: inf past the largest double, where math.exp raises."""
+    try:
+        return np.float64(math.exp(x))
+    except OverflowError:
+        return np.float64(math.inf)
 
 
 def learning_rate(it: Array, lr_out: Array, *, policy: str, base_lr: float, gamma: float,
