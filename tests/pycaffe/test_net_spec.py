@@ -3,8 +3,11 @@ LeNet as Caffe's notebook writes it against Caffe's own generated prototxt, Caff
 Caffe's caffenet.py builder with its 60,965,224 parameters, keyword routing, naming and
 ordering, the errors, and a generated net that trains through caffe.SGDSolver."""
 
+import importlib.util
 import json
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,46 +168,28 @@ def test_lenet_test_net_differs_only_in_source_and_batch():
     assert test == train
 
 
-# -- CaffeNet from Caffe's examples/pycaffe/caffenet.py ---------------------------------------
-def conv_relu(bottom, ks, nout, stride=1, pad=0, group=1):
-    conv = L.Convolution(bottom, kernel_size=ks, stride=stride, num_output=nout, pad=pad,
-                         group=group)
-    return conv, L.ReLU(conv, in_place=True)
+# -- CaffeNet from Caffe's examples/pycaffe/caffenet.py (stored unchanged beside the other
+# BVLC examples; loaded with purine.pycaffe standing as `caffe`) ----------------------------
+def _caffenet_builder():
+    names = ("caffe", "caffe.proto", "caffe.proto.caffe_pb2")
+    saved = {n: sys.modules.get(n) for n in names}
+    sys.modules.update({"caffe": caffe, "caffe.proto": caffe.proto,
+                        "caffe.proto.caffe_pb2": caffe.proto.caffe_pb2})
+    try:
+        path = Path(__file__).parent / "examples" / "pycaffe" / "caffenet.py"
+        spec = importlib.util.spec_from_file_location("bvlc_caffenet_example", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+    return module.caffenet
 
 
-def fc_relu(bottom, nout):
-    fc = L.InnerProduct(bottom, num_output=nout)
-    return fc, L.ReLU(fc, in_place=True)
-
-
-def max_pool(bottom, ks, stride=1):
-    return L.Pooling(bottom, pool=P.Pooling.MAX, kernel_size=ks, stride=stride)
-
-
-def caffenet(lmdb, batch_size=256, include_acc=False):
-    data, label = L.Data(source=lmdb, backend=P.Data.LMDB, batch_size=batch_size, ntop=2,
-                         transform_param=dict(crop_size=227, mean_value=[104, 117, 123],
-                                              mirror=True))
-    conv1, relu1 = conv_relu(data, 11, 96, stride=4)
-    pool1 = max_pool(relu1, 3, stride=2)
-    norm1 = L.LRN(pool1, local_size=5, alpha=1e-4, beta=0.75)
-    conv2, relu2 = conv_relu(norm1, 5, 256, pad=2, group=2)
-    pool2 = max_pool(relu2, 3, stride=2)
-    norm2 = L.LRN(pool2, local_size=5, alpha=1e-4, beta=0.75)
-    conv3, relu3 = conv_relu(norm2, 3, 384, pad=1)
-    conv4, relu4 = conv_relu(relu3, 3, 384, pad=1, group=2)
-    conv5, relu5 = conv_relu(relu4, 3, 256, pad=1, group=2)
-    pool5 = max_pool(relu5, 3, stride=2)
-    fc6, relu6 = fc_relu(pool5, 4096)
-    drop6 = L.Dropout(relu6, in_place=True)
-    fc7, relu7 = fc_relu(drop6, 4096)
-    drop7 = L.Dropout(relu7, in_place=True)
-    fc8 = L.InnerProduct(drop7, num_output=1000)
-    loss = L.SoftmaxWithLoss(fc8, label)
-    if include_acc:
-        acc = L.Accuracy(fc8, label)
-        return caffe.to_proto(loss, acc)
-    return caffe.to_proto(loss)
+caffenet = _caffenet_builder()
 
 
 CAFFENET_NAMES = [
