@@ -3,11 +3,27 @@ names the file, the layer or the line, and what was expected; commands turn them
 line and an exit code."""
 
 import sys
+import warnings
 from collections.abc import Callable
+
+FLOAT_WARNINGS = r"(overflow|invalid value|divide by zero|underflow) encountered"
+
+
+_CONTROL = {c: f"\\x{c:02x}" for c in range(32)} | {10: "\\n", 13: "\\r", 9: "\\t"}
+
+
+def one_line(text: str) -> str:
+    """``text`` with its control characters written as escapes (a layer name or a path may
+    hold a newline or a NUL; an error message stays one line)."""
+    return text.translate(_CONTROL)
 
 
 class PurineError(Exception):
-    """Base of every error the project raises on purpose."""
+    """Base of every error the project raises on purpose. Its message is one line: control
+    characters that a name or a path brings in are written as escapes."""
+
+    def __init__(self, message: object = "", *args: object):
+        super().__init__(one_line(str(message)), *args)
 
 
 class ProtoError(PurineError):
@@ -34,11 +50,15 @@ class LabelError(PurineError):
 
 def run_reporting(prog: str, run: Callable[[], int]) -> int:
     """Run a command: a user's error (a PurineError, or an OSError such as an unwritable
-    output) becomes one line on stderr and exit code 1; Ctrl-C exit code 130."""
+    output) becomes one line on stderr and exit code 1; Ctrl-C exit code 130. Floating-point
+    overflow and invalid values stay silent, as in Caffe's C arithmetic: a diverging run is
+    reported by the solver's own loss check, not by numpy's warnings before that line."""
     try:
-        return run()
+        with warnings.catch_warnings():  # process-wide: the dispatcher's threads too
+            warnings.filterwarnings("ignore", FLOAT_WARNINGS, RuntimeWarning)
+            return run()
     except (PurineError, OSError) as e:
-        print(f"{prog}: {e}", file=sys.stderr)
+        print(f"{prog}: {one_line(str(e))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -151,3 +151,169 @@ def test_cli_integers_at_the_edge_of_their_range_parse():
                                       "--replicas", str(MAX_REPLICAS)])
     assert (args.iterations, args.level, args.threads, args.replicas) == (
         2 ** 31 - 1, -(2 ** 31), 1024, MAX_REPLICAS)
+
+
+# -- memory: refused with the layer's name before anything is allocated -------------------
+GiB = 2 ** 30
+
+
+@pytest.fixture
+def machine_of_16_gib(monkeypatch):
+    """Every memory space holds 16 GiB, whatever this machine has, so the messages are
+    known exactly."""
+    import purine.runtime.memory as memory
+
+    monkeypatch.setattr(memory, "capacity", lambda location: 16 * GiB)
+
+
+def net_file(tmp_path, text):
+    path = tmp_path / "net.prototxt"
+    path.write_text(text)
+    return str(path)
+
+
+INPUT_1x4 = 'layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 1 dim: 4 } } }\n'
+
+
+@pytest.mark.parametrize("text, message", [
+    # pad 2^31-1 around a 4x4 image: a (1, 2, 2^32, 2^32) top of 128 PiB
+    ('layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 1 dim: 1 dim: 4 '
+     'dim: 4 } } }\nlayer { name: "conv" type: "Convolution" bottom: "x" top: "y" '
+     'convolution_param { num_output: 2 kernel_size: 3 pad: 2147483647 } }',
+     "layer 'conv' (type Convolution): its 3 blobs (the largest 'y' (1, 2, 4294967296, "
+     "4294967296) float32) ask for 131072.0 PiB; this machine has 16.0 GiB of memory"),
+    # the weights are refused before the filler draws them
+    (INPUT_1x4 + 'layer { name: "ip1" type: "InnerProduct" bottom: "x" top: "y" '
+     'inner_product_param { num_output: 2147483647 } }',
+     "layer 'ip1' (type InnerProduct): parameter 0 (2147483647, 4) float32 asks for "
+     "32.0 GiB; this machine has 16.0 GiB of memory"),
+    ('layer { name: "d" type: "DummyData" top: "x" dummy_data_param { shape { dim: 2147483647 '
+     'dim: 4 } } }',
+     "layer 'd' (type DummyData): blob 'x' (2147483647, 4) float32 asks for 32.0 GiB; "
+     "this machine has 16.0 GiB of memory"),
+])
+def test_a_net_too_big_for_memory_is_refused_naming_the_layer(tmp_path, machine_of_16_gib,
+                                                              text, message):
+    from purine.caffe import TEST, Net
+
+    with pytest.raises(PurineError) as e:
+        Net(net_file(tmp_path, text), TEST)
+    assert str(e.value) == message
+
+
+def test_an_empty_batch_runs_as_in_caffe(tmp_path):
+    from purine.caffe import TEST, Net
+
+    # Caffe's GEMMs take M = 0: the top is empty and the weight gradient is zero
+    text = ('force_backward: true\nlayer { name: "in" type: "Input" top: "x" input_param { '
+            'shape { dim: 0 dim: 2 dim: 3 dim: 3 } } }\n'
+            'layer { name: "bn" type: "BatchNorm" bottom: "x" top: "b" }\n'
+            'layer { name: "ip" type: "InnerProduct" bottom: "b" top: "y" '
+            'inner_product_param { num_output: 5 weight_filler { type: "gaussian" } } }')
+    with Net(net_file(tmp_path, text), TEST) as net:
+        net.params["ip"][0].diff[...] = 7
+        net.forward()
+        net.backward()
+        assert net.blobs["y"].data.shape == (0, 5)
+        assert net.params["ip"][0].diff.shape == (5, 18)
+        assert not net.params["ip"][0].diff.any()
+
+
+def test_parameters_are_counted_together_before_each_is_filled(tmp_path, monkeypatch):
+    import purine.runtime.memory as memory
+    from purine.caffe import TEST, Net
+
+    monkeypatch.setattr(memory, "capacity", lambda location: 2 ** 20)
+    # 3 x 384 KiB of weights: the third does not fit beside the first two in 1 MiB
+    layers = "".join(f'layer {{ name: "ip{i}" type: "InnerProduct" bottom: "x" top: "y{i}" '
+                     f'inner_product_param {{ bias_term: false num_output: 24576 }} }}\n'
+                     for i in range(3))
+    with pytest.raises(PurineError) as e:
+        Net(net_file(tmp_path, INPUT_1x4 + layers), TEST)
+    assert str(e.value) == ("layer 'ip2' (type InnerProduct): parameter 0 (24576, 4) "
+                            "float32 asks for 384.0 KiB beside the 768.0 KiB held already; "
+                            "this machine has 1.0 MiB of memory")
+
+
+def test_the_dispatcher_refuses_an_allocation_beyond_what_is_left(monkeypatch):
+    import purine.runtime.memory as memory
+    from purine.graph import Graph
+    from purine.runtime import Dispatcher
+    from purine.runtime.memory import plan_memory
+
+    monkeypatch.setattr(memory, "capacity", lambda location: 1000)
+    g = Graph()
+    a, b = g.blob("a", (100,), "float32"), g.blob("b", (100,), "float32")  # 400 B each
+    c = g.blob("c", (60,), "float32")
+    d = Dispatcher(g)
+    d.array(a)
+    d.array(b)
+    with pytest.raises(PurineError) as e:
+        d.array(c)
+    assert str(e.value) == ("blob 'c' (60,) float32 asks for 240 B beside the 800 B held "
+                            "already; this machine has 1000 B of memory")
+    d.release(b)  # what is released is no longer held
+    assert d.array(c).shape == (60,)
+    d.bind(b, np.zeros(100, np.float32))  # outside storage is not the dispatcher's
+    with pytest.raises(PurineError, match="blob 'x'"):
+        d.array(g.blob("x", (100,), "float32"))
+    # a memory plan's buffers count once for every blob sharing them
+    d.set_memory_plan(plan_memory(g, [], keep=()))
+    assert d._held == {a.location.memory: 640}
+
+
+# -- NUL characters, newlines in names, numpy's warnings: one line each -------------------
+def test_a_nul_in_a_path_field_is_refused_naming_the_field(tmp_path):
+    path = tmp_path / "solver.prototxt"
+    path.write_text('net: "a\\000b.prototxt"\nbase_lr: 0.1\n')
+    with pytest.raises(PurineError) as e:
+        Solver(str(path))
+    assert str(e.value) == (f"{path}: field net holds a NUL character ('a\\x00b.prototxt'); "
+                            "paths and names cannot contain one")
+    path.write_text(NET.replace('name: "ip"', 'name: "ip" include { stage: "x\\000" }'))
+    with pytest.raises(PurineError, match=r"field layer\[1\]\.include\[0\]\.stage\[0\] holds a "
+                                          r"NUL character \('x\\x00'\)"):
+        from purine.caffe import TEST, Net
+
+        Net(str(path), TEST)
+
+
+def test_a_nul_in_a_file_name_given_to_the_api_is_our_error():
+    from purine.caffe import TEST, Net
+
+    with pytest.raises(PurineError) as e:
+        Net("net\0.prototxt", TEST)
+    assert str(e.value) == ("'net\\x00.prototxt': not a valid file name (it holds a NUL "
+                            "character)")
+
+
+def test_a_nul_in_a_binary_solverstate_is_refused(tmp_path):
+    path = tmp_path / "s.solverstate"
+    path.write_bytes(pb.SolverState(iter=1, learned_net="w\0.caffemodel").SerializeToString())
+    s = Solver(solver_text())
+    with pytest.raises(PurineError, match=rf"^{path}: field learned_net holds a NUL "):
+        s.restore(path)
+
+
+def test_a_layer_name_with_a_newline_gives_a_one_line_error(tmp_path, capsys):
+    from purine.cli import main
+
+    model = tmp_path / "net.prototxt"
+    model.write_text('layer { name: "in\\nput" type: "Nope" top: "x" }')
+    assert main(["test", "--model", str(model), "--iterations", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("purine-caffe test: layer 'in\\nput' (type Nope): unknown layer "
+                          "type; known types: AbsVal, Accuracy, ")
+    assert "\n" not in err
+
+
+def test_a_diverging_run_prints_no_numpy_warnings(tmp_path, capsys, recwarn):
+    solver = tmp_path / "solver.prototxt"
+    solver.write_text(solver_text(base_lr=1e30, max_iter=20, display=1)
+                      + f'snapshot_prefix: "{tmp_path}/s"\n')
+    assert main(["train", "--solver", str(solver)]) == 1
+    # numpy warns of the overflow (pytest records what would be printed): the CLI silences it
+    assert [str(w.message) for w in recwarn if w.category is RuntimeWarning] == []
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == ("purine-caffe train: iteration 1: the loss is inf; training "
+                                    "stopped (snapshots already written are intact)")

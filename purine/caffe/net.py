@@ -24,6 +24,7 @@ from purine.graph import CPU, Blob, Graph, Location, Op, Stateful, kernel
 from purine.log import get_logger
 from purine.ops import tensor
 from purine.runtime import Dispatcher
+from purine.runtime.memory import blob_nbytes, check_capacity
 
 TRAIN, TEST = pb.TRAIN, pb.TEST
 _PHASES = {"TRAIN": TRAIN, "TEST": TEST, TRAIN: TRAIN, TEST: TEST}
@@ -169,6 +170,8 @@ class NetBuilder:
         if spec.name:
             self._shared[spec.name] = (layer, b)
         self._param_uses[b] = [(layer, k)]
+        held = sum(blob_nbytes(p) for p in self.initial if p.location.memory == location.memory)
+        check_capacity(location, blob_nbytes(b), held, f"parameter {k} {shape} {b.dtype}")
         self.initial[b] = fill(filler or pb.FillerParameter(), shape, rng, layer)
         return b
 
@@ -197,6 +200,23 @@ class NetBuilder:
         return self.graph.blob(name, b.shape, b.dtype, b.location)
 
     # -- building ----------------------------------------------------------------------
+    @staticmethod
+    def _check_sizes(new: Sequence[Blob]) -> None:
+        """The blobs a layer added must fit in memory together (they are allocated when the
+        net first runs; refused here, with the layer's name, rather than there)."""
+        by_space: dict[tuple, list[Blob]] = {}
+        for b in new:
+            by_space.setdefault(b.location.memory, []).append(b)
+        for blobs in by_space.values():
+            big = max(blobs, key=blob_nbytes)
+            if len(blobs) == 1:
+                check_capacity(big.location, blob_nbytes(big), 0,
+                               f"blob '{big.name}' {big.shape} {big.dtype}")
+            else:
+                check_capacity(big.location, sum(map(blob_nbytes, blobs)), 0,
+                               f"its {len(blobs)} blobs (the largest '{big.name}' {big.shape} "
+                               f"{big.dtype})", verb="ask")
+
     def _build(self) -> None:
         backwards = []
         names: set[str] = set()
@@ -211,8 +231,10 @@ class NetBuilder:
             repeat = lp.name in names
             names.add(lp.name)
             L = LayerBuild(self, lp, i, f"{lp.name}#{i}" if repeat else None)
+            before = len(self.graph.blobs)
             try:
                 backwards.append(builder(L))
+                self._check_sizes(list(self.graph.blobs.values())[before:])
             except LayerError:
                 raise
             except PurineError as e:

@@ -26,7 +26,24 @@ def parse_text(text: str, msg: M, filename: str = "<string>") -> M:
         where = f"{filename}:{line}:{col}" if line else filename
         reason = str(e).split(" : ", 1)[-1]
         raise ProtoError(f"{where}: {reason}") from None
+    refuse_nul(msg, filename)
     return msg
+
+
+def refuse_nul(msg: message.Message, filename: str, prefix: str = "") -> None:
+    """A string field holding a NUL character is refused, naming the field: every path and
+    name Caffe reads is a C string, which ends at the first NUL."""
+    for fd, value in msg.ListFields():
+        if fd.type not in (fd.TYPE_MESSAGE, fd.TYPE_STRING):
+            continue
+        single = isinstance(value, str | message.Message)
+        for i, v in enumerate([value] if single else value):
+            where = prefix + fd.name + ("" if single else f"[{i}]")
+            if fd.type == fd.TYPE_MESSAGE:
+                refuse_nul(v, filename, where + ".")
+            elif "\0" in v:
+                raise ProtoError(f"{filename}: field {where} holds a NUL character ({v!r}); "
+                                 "paths and names cannot contain one")
 
 
 def _read_bytes(path: str) -> bytes:
@@ -35,6 +52,9 @@ def _read_bytes(path: str) -> bytes:
             return f.read()
     except OSError as e:
         raise ProtoError(f"{path}: cannot read: {e.strerror}") from None
+    except ValueError:  # a NUL in the path
+        raise ProtoError(f"{path!r}: not a valid file name (it holds a NUL character)") \
+            from None
 
 
 def read_binary(path: str | os.PathLike, msg: M, what: str = "") -> M:
@@ -45,6 +65,7 @@ def read_binary(path: str | os.PathLike, msg: M, what: str = "") -> M:
         msg.ParseFromString(_read_bytes(path))
     except message.DecodeError as e:
         raise ProtoError(f"{path}: not a binary {what or msg.DESCRIPTOR.name} ({e})") from None
+    refuse_nul(msg, path)
     return msg
 
 

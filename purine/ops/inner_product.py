@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 Array = Any
 
 
 def _2d(x: Array, m: int) -> Array:
-    return x.reshape(m, -1)
+    """The (m, rest) view; an empty batch (m = 0) keeps the rest's size, which -1 cannot
+    infer from zero values."""
+    return x.reshape(m, math.prod(x.shape) // m if m else math.prod(x.shape[1:]))
 
 
 def inner_product_forward(x: Array, w: Array, *rest: Array, m: int, transpose: bool) -> None:

@@ -4,6 +4,7 @@ dim, inner)). Forward and backward side by side; outputs may alias inputs (in-pl
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from purine.backend import get_array_module
@@ -15,7 +16,7 @@ Array = Any
 # A bottom of shape (N, C, ...) is viewed as (N, C, S); statistics run over axes 0 and 2.
 
 def _ncs(a: Array, channels: int) -> Array:
-    return a.reshape(a.shape[0], channels, -1)
+    return a.reshape(a.shape[0], channels, math.prod(a.shape[2:]))
 
 
 def _per_channel(v: Array) -> Array:

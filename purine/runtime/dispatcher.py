@@ -25,7 +25,7 @@ from typing import Any
 from purine.backend import activate, allocate, record, stream, wait
 from purine.errors import PurineError
 from purine.graph import Blob, Graph, Location, Op
-from purine.runtime.memory import Buffer, MemoryPlan, blob_nbytes
+from purine.runtime.memory import Buffer, MemoryPlan, blob_nbytes, check_capacity
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,7 @@ class Dispatcher:
         self.memory_plan: MemoryPlan | None = None
         self._storage: dict[Blob, Buffer] = {}  # the plan's blob -> buffer key
         self._buffers: dict[Buffer, Any] = {}
+        self._held: dict[tuple, int] = {}  # bytes allocated here, by memory space
         self.external: set[Blob] = set()  # blobs bound to storage from outside
         if memory_plan is not None:
             self.set_memory_plan(memory_plan)
@@ -111,15 +112,33 @@ class Dispatcher:
         if a is None:
             key = self._storage.get(blob)
             if key is None:
+                self._reserve(blob.location, blob_nbytes(blob),
+                              f"blob '{blob.name}' {blob.shape} {blob.dtype}")
                 a = allocate(blob.location, blob.shape, blob.dtype)
             else:  # a view of the buffer the plan shares
                 buf = self._buffers.get(key)
                 if buf is None:
-                    buf = self._buffers[key] = allocate(
-                        key.location, (self.memory_plan.buffer_bytes[key],), "uint8")
+                    size = self.memory_plan.buffer_bytes[key]
+                    self._reserve(key.location, size, f"{key} (shared by blob '{blob.name}' "
+                                  "and others)")
+                    buf = self._buffers[key] = allocate(key.location, (size,), "uint8")
                 a = buf[:blob_nbytes(blob)].view(blob.dtype).reshape(blob.shape)
             self.arrays[blob] = a
         return a
+
+    def _reserve(self, location: Location, need: int, what: str) -> None:
+        """Refuse an allocation that cannot fit beside what this dispatcher holds in the
+        same memory space, before making it (numpy's zeros would reserve terabytes of
+        virtual memory and leave the failure to the first touch); then count it held."""
+        space = location.memory
+        check_capacity(location, need, self._held.get(space, 0), what)
+        self._held[space] = self._held.get(space, 0) + need
+
+    def _forget(self, blob: Blob) -> None:
+        """Drop ``blob``'s array; what the dispatcher allocated for it is no longer held."""
+        a = self.arrays.pop(blob, None)
+        if a is not None and blob not in self._storage and blob not in self.external:
+            self._held[blob.location.memory] -= blob_nbytes(blob)
 
     def set_memory_plan(self, plan: MemoryPlan | None) -> None:
         """Let the blobs of ``plan`` (purine.runtime.memory) share buffers; None: every blob
@@ -132,7 +151,9 @@ class Dispatcher:
                               f"{', '.join(bound)}")
         touched = set(storage) | set(self._storage)
         for b in touched:
-            self.arrays.pop(b, None)
+            self._forget(b)
+        for k in self._buffers:
+            self._held[k.location.memory] -= self.memory_plan.buffer_bytes[k]
         self._bound = {o: a for o, a in self._bound.items()
                        if touched.isdisjoint(o.inputs) and touched.isdisjoint(o.outputs)}
         self.memory_plan, self._storage, self._buffers = plan, storage, {}
@@ -159,7 +180,7 @@ class Dispatcher:
 
     def release(self, blob: Blob) -> None:
         """Forget a blob's storage (e.g. after its shape changed); re-allocated on use."""
-        self.arrays.pop(blob, None)
+        self._forget(blob)
         self.external.discard(blob)
         self._bound = {o: a for o, a in self._bound.items()
                        if blob not in o.inputs and blob not in o.outputs}

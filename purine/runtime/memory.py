@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from purine.backend.memory import capacity, show_bytes
+from purine.errors import PurineError
 from purine.graph import Blob, Graph, Location, Op
 
 
@@ -41,6 +43,18 @@ class MemoryPlan:
 
 def blob_nbytes(blob: Blob) -> int:
     return blob.count * np.dtype(blob.dtype).itemsize
+
+
+def check_capacity(location: Location, need: int, held: int, what: str,
+                   verb: str = "asks") -> None:
+    """Raise a PurineError when ``need`` more bytes cannot fit in ``location``'s memory
+    beside the ``held`` bytes already there; ``what`` names the asker (``verb``'s subject)."""
+    total = capacity(location)
+    if total is not None and held + need > total:
+        device = "this machine" if location.device == "cpu" else f"gpu {location.index}"
+        already = f" beside the {show_bytes(held)} held already" if held else ""
+        raise PurineError(f"{what} {verb} for {show_bytes(need)}{already}; {device} has "
+                          f"{show_bytes(total)} of memory")
 
 
 def plan_memory(graph: Graph, ops: Sequence[Op] | None, keep: Iterable[Blob],
