@@ -1,16 +1,26 @@
-"""The array module of each location: numpy on ``cpu``, cupy on ``gpu``. Kernels are written
-once over an array module ``xp`` and get it from their arrays."""
+"""The array module of each location: numpy on ``cpu``, cupy on ``gpu``, and how an op picks
+its code for the memory its arrays live in.
+
+An op whose host and GPU code differ is two named functions side by side, a host body (the
+public op, decorated) and a device body with the same signature, joined by
+``@device_variant(device_body)``: a call whose first array lives on a GPU runs the device
+body, any other call the host body. Host bodies may use numpy directly; device bodies get
+cupy from their arrays (``get_array_module``). Code that is the same on both sides is written
+once over an array module ``xp`` and called from both bodies. A single library call that
+differs (``scatter_add``, ``stable_argsort``) is a helper here rather than a branch in an op.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -102,7 +112,56 @@ def set_tf32(on: bool) -> None:
 
 
 def is_device_array(a: Any) -> bool:
-    return type(a).__module__.startswith("cupy")
+    """Whether ``a`` is a CuPy array. A numpy array is answered by a type identity check:
+    reading a builtin type's ``__module__`` costs a few times more, on every op call."""
+    t = type(a)
+    return t is not np.ndarray and t.__module__.startswith("cupy")
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def device_variant(device_body: Callable[..., Any]) -> Callable[[F], F]:
+    """Decorate an op's host body with its device body: the op runs ``device_body`` when its
+    first argument is a GPU array and the host body otherwise, with the same arguments. The
+    first argument decides because all of an op's arrays live where the op runs. The host
+    path pays one call and one type check (``is_device_array``, looked up at each call, so
+    that a test may count numpy arrays as device arrays to run device bodies on the CPU)."""
+
+    def decorate(host_body: F) -> F:
+        @functools.wraps(host_body)
+        def op(*args: Any, **kwargs: Any) -> Any:
+            if is_device_array(args[0]):
+                return device_body(*args, **kwargs)
+            return host_body(*args, **kwargs)
+
+        return op  # type: ignore[return-value]
+
+    return decorate
+
+
+def _scatter_add_device(target: Any, index: Any, values: Any) -> None:
+    import cupyx
+
+    cupyx.scatter_add(target, index, values)
+
+
+@device_variant(_scatter_add_device)
+def scatter_add(target: Any, index: Any, values: Any) -> None:
+    """``target[index[i]] += values[i]`` for every i, repeated indices summed (a plain
+    ``target[index] += values`` would keep only one of them)."""
+    np.add.at(target, index, values)
+
+
+def _stable_argsort_device(a: Any, axis: int = -1) -> Any:
+    # CuPy's sort is always stable and takes no other kind than the default.
+    return a.argsort(axis=axis)
+
+
+@device_variant(_stable_argsort_device)
+def stable_argsort(a: Any, axis: int = -1) -> Any:
+    """The indices that sort ``a`` along ``axis``, equal values kept in index order."""
+    return np.argsort(a, axis=axis, kind="stable")
 
 
 def to_host(a: Any) -> np.ndarray:
@@ -259,15 +318,14 @@ HOST_WORKERS = os.cpu_count() or 1
 PARALLEL_MIN_WORK = 1 << 16
 
 
-def host_parallel(fn: Callable[[slice], None], n: int, xp: ModuleType = np,
-                  work: int = 1 << 30) -> None:
+def host_parallel(fn: Callable[[slice], None], n: int, work: int = 1 << 30) -> None:
     """Run ``fn`` over slices of ``range(n)`` (the batch) on the host's cores: numpy's
     memory-bound loops (pooling, copies) are single-threaded but release the GIL, and a
     slice small enough to stay in cache is faster even alone. Each slice writes its own
     samples with the same arithmetic, so the result does not depend on the split. Below
     PARALLEL_MIN_WORK elements of ``work`` the hand-off costs more than it saves."""
     global _HOST_POOL
-    if xp is not np or n < 2 or work < PARALLEL_MIN_WORK:
+    if n < 2 or work < PARALLEL_MIN_WORK:
         fn(slice(0, n))
         return
     parts = min(n, 2 * HOST_WORKERS)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import RandomStream, get_array_module
+from purine.backend import RandomStream, device_variant, get_array_module
 from purine.ops.tensor import elementwise
 
 Array = Any
@@ -34,25 +34,32 @@ BNLL_THRESHOLD = 50.0
 
 
 # -- ReLU ----------------------------------------------------------------------------------
-def relu_forward(x: Array, y: Array, *, negative_slope: float = 0.0) -> None:
-    xp = get_array_module(x)
+def _relu_forward_gpu(x: Array, y: Array, *, negative_slope: float = 0.0) -> None:
     if negative_slope == 0:
-        xp.maximum(x, 0, out=y)
-    elif xp is not np:
-        _fused("relu_leaky")(x, float(negative_slope), y)
+        get_array_module(x).maximum(x, 0, out=y)
     else:
-        xp.multiply(x, xp.where(x > 0, 1, negative_slope).astype(x.dtype), out=y)
+        _fused("relu_leaky")(x, float(negative_slope), y)
 
 
+@device_variant(_relu_forward_gpu)
+def relu_forward(x: Array, y: Array, *, negative_slope: float = 0.0) -> None:
+    if negative_slope == 0:
+        np.maximum(x, 0, out=y)
+    else:
+        np.multiply(x, np.where(x > 0, 1, negative_slope).astype(x.dtype), out=y)
+
+
+def _relu_backward_gpu(x: Array, dy: Array, dx: Array, *, negative_slope: float = 0.0) -> None:
+    _fused("relu_backward")(x, dy, float(negative_slope), dx)
+
+
+@device_variant(_relu_backward_gpu)
 def relu_backward(x: Array, dy: Array, dx: Array, *, negative_slope: float = 0.0) -> None:
     """``x`` may be the top (in-place use): its sign is the bottom's sign."""
-    xp = get_array_module(x)
-    if xp is not np:
-        _fused("relu_backward")(x, dy, float(negative_slope), dx)
-    elif negative_slope == 0:
-        xp.multiply(dy, x > 0, out=dx)
+    if negative_slope == 0:
+        np.multiply(dy, x > 0, out=dx)
     else:
-        xp.multiply(dy, xp.where(x > 0, 1, negative_slope).astype(dy.dtype), out=dx)
+        np.multiply(dy, np.where(x > 0, 1, negative_slope).astype(dy.dtype), out=dx)
 
 
 # -- PReLU ---------------------------------------------------------------------------------
@@ -305,6 +312,18 @@ def log_backward(x: Array, dy: Array, dx: Array, *, scale: float, shift: float,
 
 
 # -- Dropout -------------------------------------------------------------------------------
+def _dropout_forward_gpu(x: Array, y: Array, mask: Array, *, ratio: float,
+                         rng: RandomStream) -> None:
+    xp = get_array_module(x)
+    draw = (rng.next().random(x.shape) < 1.0 - ratio).astype(mask.dtype)
+    if mask.flags.c_contiguous:
+        mask.set(draw, stream=xp.cuda.get_current_stream())
+    else:
+        mask[...] = xp.asarray(draw)
+    _fused("dropout")(x, mask, 1.0 / (1.0 - ratio), y)
+
+
+@device_variant(_dropout_forward_gpu)
 def dropout_forward(x: Array, y: Array, mask: Array, *, ratio: float,
                     rng: RandomStream) -> None:
     """Training-time dropout: mask ~ Bernoulli(1 - ratio), y = x * mask / (1 - ratio).
@@ -313,25 +332,17 @@ def dropout_forward(x: Array, y: Array, mask: Array, *, ratio: float,
     array's device), so a net gives the same masks on every device and thread schedule. On a
     GPU that costs a host-to-device copy of the mask (one byte per element) per call, queued
     on the op's stream."""
-    xp = get_array_module(x)
-    if xp is not np:
-        draw = (rng.next().random(x.shape) < 1.0 - ratio).astype(mask.dtype)
-        if mask.flags.c_contiguous:
-            mask.set(draw, stream=xp.cuda.get_current_stream())
-        else:
-            mask[...] = xp.asarray(draw)
-        _fused("dropout")(x, mask, 1.0 / (1.0 - ratio), y)
-        return
-    mask[...] = xp.asarray(rng.next().random(x.shape) < 1.0 - ratio)
-    xp.multiply(x, mask, out=y)
+    mask[...] = np.asarray(rng.next().random(x.shape) < 1.0 - ratio)
+    np.multiply(x, mask, out=y)
     y *= 1.0 / (1.0 - ratio)
 
 
+def _dropout_backward_gpu(mask: Array, dy: Array, dx: Array, *, ratio: float) -> None:
+    _fused("dropout")(dy, mask, 1.0 / (1.0 - ratio), dx)
+
+
+@device_variant(_dropout_backward_gpu)
 def dropout_backward(mask: Array, dy: Array, dx: Array, *, ratio: float) -> None:
     """dx = dy * mask / (1 - ratio), through the mask the last forward drew."""
-    xp = get_array_module(dy)
-    if xp is not np:
-        _fused("dropout")(dy, mask, 1.0 / (1.0 - ratio), dx)
-        return
-    xp.multiply(dy, mask, out=dx)
+    np.multiply(dy, mask, out=dx)
     dx *= 1.0 / (1.0 - ratio)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import get_array_module
+from purine.backend import device_variant, get_array_module, scatter_add, stable_argsort
 from purine.errors import PurineError
 
 Array = Any
@@ -157,10 +157,8 @@ def _top_k(x: Array, k: int) -> Array:
     if k == 1:
         return (d - 1) - xp.argmax(x[..., ::-1], axis=-1)[..., None]
     # A stable ascending sort keeps equal values in index order; reversed, it is
-    # descending with the larger index first. (CuPy's sort is always stable and takes no
-    # other kind than the default.)
-    kind = "stable" if xp is np else None
-    return xp.argsort(x, axis=-1, kind=kind)[..., ::-1][..., :k]
+    # descending with the larger index first.
+    return stable_argsort(x, axis=-1)[..., ::-1][..., :k]
 
 
 def argmax_forward(x: Array, y: Array, *, axis: int | None, top_k: int,
@@ -222,21 +220,27 @@ def reduction_backward(*arrays: Array, op: str, coeff: float) -> None:
 
 
 # -- Embed ----------------------------------------------------------------------------------
-def _indices(x: Array, input_dim: int, check: bool) -> tuple[Array, Array | None]:
-    """The indices ``x`` holds as floats, truncated toward zero as Caffe's int cast does;
-    with ``check``, a non-integer or an index outside [0, input_dim) is an error. On a GPU,
-    where reading that verdict back would stall the stream, the bad positions come back as a
-    mask instead (their index clamped into range) and the caller writes NaN there."""
+def _indices_gpu(x: Array, input_dim: int, check: bool) -> tuple[Array, Array | None]:
+    """Reading the verdict back would stall the stream: the bad positions come back as a
+    mask (their index clamped into range), checked or not, and the caller writes NaN there."""
     xp = get_array_module(x)
     flat = x.reshape(-1)
     idx = flat.astype(xp.int64)
-    if xp is not np:
-        bad = (idx != flat) | (idx < 0) | (idx >= input_dim)
-        return xp.clip(idx, 0, input_dim - 1), bad
+    bad = (idx != flat) | (idx < 0) | (idx >= input_dim)
+    return xp.clip(idx, 0, input_dim - 1), bad
+
+
+@device_variant(_indices_gpu)
+def _indices(x: Array, input_dim: int, check: bool) -> tuple[Array, Array | None]:
+    """The indices ``x`` holds as floats, truncated toward zero as Caffe's int cast does;
+    with ``check``, a non-integer or an index outside [0, input_dim) is an error (a GPU
+    gives a mask of them instead, see ``_indices_gpu``)."""
+    flat = x.reshape(-1)
+    idx = flat.astype(np.int64)
     if check:
         bad = (idx != flat) | (idx < 0) | (idx >= input_dim)
         if bool(bad.any()):
-            pos = int(xp.argmax(bad))
+            pos = int(np.argmax(bad))
             raise PurineError(
                 f"Embed bottom holds {float(flat[pos])!r} at flat position {pos} (of shape "
                 f"{tuple(x.shape)}); it must hold integer indices in [0, {input_dim}), "
@@ -262,21 +266,11 @@ def embed_backward_weight(x: Array, dy: Array, dw: Array, *, input_dim: int) -> 
     """Each weight row collects the gradients of every position that looked it up."""
     idx, _ = _indices(x, input_dim, check=False)
     dw[...] = 0
-    _scatter_add(dw, idx, dy.reshape(-1, dw.shape[1]))
+    scatter_add(dw, idx, dy.reshape(-1, dw.shape[1]))
 
 
 def embed_backward_bias(dy: Array, db: Array) -> None:
     dy.reshape(-1, db.shape[0]).sum(axis=0, out=db)
-
-
-def _scatter_add(dx: Array, idx: Array, rows: Array) -> None:
-    """dx[idx[i]] += rows[i] for every i, repeated indices summed."""
-    if get_array_module(dx) is np:
-        np.add.at(dx, idx, rows)
-    else:  # pragma: no cover - needs a GPU
-        import cupyx
-
-        cupyx.scatter_add(dx, idx, rows)
 
 
 # -- Filter ---------------------------------------------------------------------------------
@@ -285,9 +279,8 @@ def _selected_first(selector: Array) -> tuple[Array, Array]:
     order, and how many are selected (a 0-d array: no host sync on a GPU)."""
     xp = get_array_module(selector)
     dropped = (selector.reshape(-1) == 0).astype(xp.int8)
-    # A stable sort keeps the order among the selected items (CuPy's sort is always stable).
-    kind = "stable" if xp is np else None
-    return xp.argsort(dropped, kind=kind), dropped.size - dropped.sum()
+    # A stable sort keeps the order among the selected items.
+    return stable_argsort(dropped), dropped.size - dropped.sum()
 
 
 def filter_forward(*arrays: Array, bottoms: int) -> None:
@@ -317,18 +310,28 @@ def filter_backward(selector: Array, dy: Array, dx: Array) -> None:
 
 
 # -- BatchReindex ---------------------------------------------------------------------------
-def _reindex(permut: Array, num: int, check: bool) -> tuple[Array, Array | None]:
+def _clamped_reindex(permut: Array, num: int) -> tuple[Array, Array]:
     """The indices ``permut`` holds as floats, truncated toward zero as Caffe's int cast
-    does; with ``check``, a value outside [0, num) is an error (a fraction inside passes, as
-    in Caffe). On a GPU the bad positions come back as a mask (their index clamped into
-    range) and the caller writes NaN there instead."""
+    does, 0 where the value is outside [0, num); and the mask of those bad positions."""
     xp = get_array_module(permut)
     bad = ~((permut >= 0) & (permut < num))  # NaN fails both comparisons: bad
-    idx = xp.trunc(xp.where(bad, 0, permut)).astype(xp.int64)
-    if xp is not np:
-        return idx, bad
+    return xp.trunc(xp.where(bad, 0, permut)).astype(xp.int64), bad
+
+
+def _reindex_gpu(permut: Array, num: int, check: bool) -> tuple[Array, Array | None]:
+    """Reading the verdict back would stall the stream: the bad positions come back as a
+    mask, checked or not, and the caller writes NaN there."""
+    return _clamped_reindex(permut, num)
+
+
+@device_variant(_reindex_gpu)
+def _reindex(permut: Array, num: int, check: bool) -> tuple[Array, Array | None]:
+    """``_clamped_reindex``'s indices; with ``check``, a value outside [0, num) is an error
+    (a fraction inside passes, as in Caffe; a GPU gives the mask instead, see
+    ``_reindex_gpu``)."""
+    idx, bad = _clamped_reindex(permut, num)
     if check and bool(bad.any()):
-        pos = int(xp.argmax(bad))
+        pos = int(np.argmax(bad))
         raise PurineError(
             f"BatchReindex index {float(permut[pos])!r} at position {pos} of the index bottom "
             f"{tuple(permut.shape)} is outside [0, {num}), the first axis of the data bottom "
@@ -351,4 +354,4 @@ def batch_reindex_backward(permut: Array, dy: Array, dx: Array) -> None:
     picked."""
     idx, _ = _reindex(permut, dx.shape[0], check=False)
     dx[...] = 0
-    _scatter_add(dx, idx, dy)
+    scatter_add(dx, idx, dy)

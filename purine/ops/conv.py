@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import cuda, get_array_module
+from purine.backend import cuda, device_variant, get_array_module
 
 Array = Any
 
@@ -333,14 +333,16 @@ def _group_gemm(xp: Any, a: Array, b: Array, out: Array, ng: int, a_axis: int, b
         xp.matmul(block(a, a_axis, k), block(b, b_axis, k), out=block(out, out_axis, k))
 
 
+def _conv_forward_gpu(x: Array, w: Array, *rest: Array, geom: ConvGeometry) -> None:
+    *b, y = rest
+    _gpu_forward(get_array_module(x), cuda.kernel, x, w, b[0] if b else None, y, geom)
+
+
+@device_variant(_conv_forward_gpu)
 def conv_forward(x: Array, w: Array, *rest: Array, geom: ConvGeometry) -> None:
     """y = w * x (+ b): ``rest`` is (b, y) or (y,)."""
     *b, y = rest
     g = geom
-    xp = get_array_module(x)
-    if xp is not np:
-        _gpu_forward(xp, cuda.kernel, x, w, b[0] if b else None, y, g)
-        return
     m, ng = g.num_output, g.group
     mg = m // ng
     w2 = w.reshape(ng, mg, -1)
@@ -349,32 +351,32 @@ def conv_forward(x: Array, w: Array, *rest: Array, geom: ConvGeometry) -> None:
         y3 = y.reshape(g.num, m, -1)
         x3 = x.reshape(g.num, ng, -1, g.height * g.width)
         for k in range(ng):
-            xp.matmul(w2[k], x3[:, k], out=y3[:, k * mg:(k + 1) * mg])
+            np.matmul(w2[k], x3[:, k], out=y3[:, k * mg:(k + 1) * mg])
         if b:
             y3 += b[0].reshape(1, m, 1)
         return
     x4, y4 = _input(x, g), _output(y, g)
     y3 = y.reshape(g.num, m, g.out_h * g.out_w)
-    ws = _Workspace(xp, g, x.dtype)
+    ws = _Workspace(np, g, x.dtype)
     layout = _layout(g, forward=True)
     if layout == "rows":
-        wr = _row_weight(xp, w, g)
+        wr = _row_weight(np, w, g)
         for s in ws.chunks:
             rows = ws.im2row(x4[s])
             out = ws.buf("out", (rows.shape[0], m))
-            _group_gemm(xp, rows, wr, out, ng, 1, -1, 1)
+            _group_gemm(np, rows, wr, out, ng, 1, -1, 1)
             t = out.reshape(s.stop - s.start, -1, m).transpose(0, 2, 1)
             if b:
-                xp.add(t, b[0].reshape(1, m, 1), out=y3[s])
+                np.add(t, b[0].reshape(1, m, 1), out=y3[s])
             else:
                 y3[s] = t
         return
     if layout == "samples":
         fold = bool(b) and ng == 1  # the bias rides in the GEMM as one more column
-        wb = xp.concatenate([w2[0], b[0].reshape(m, 1)], axis=1)[None] if fold else w2
+        wb = np.concatenate([w2[0], b[0].reshape(m, 1)], axis=1)[None] if fold else w2
         for s in ws.chunks:
             col = ws.im2col_samples(x4[s], fold)
-            _group_gemm(xp, wb, col, y3[s], ng, -1, 1, 1)
+            _group_gemm(np, wb, col, y3[s], ng, -1, 1, 1)
             if b and not fold:
                 y3[s] += b[0].reshape(1, m, 1)
         return
@@ -382,7 +384,7 @@ def conv_forward(x: Array, w: Array, *rest: Array, geom: ConvGeometry) -> None:
         col = ws.im2col(x4[s]).reshape(ng, g.kernel_dim, -1)
         out = ws.matrix("out", m, s.stop - s.start).reshape(ng, mg, -1)
         for k in range(ng):
-            xp.dot(w2[k], col[k], out=out[k])
+            np.dot(w2[k], col[k], out=out[k])
         ws.from_matrix("out", y4[s], b[0] if b else None)
 
 
@@ -417,13 +419,14 @@ def _flipped(xp: Any, w: Array, g: ConvGeometry) -> Array:
     return xp.ascontiguousarray(flipped).reshape(g.channels, -1, g.kernel_h, g.kernel_w)
 
 
+def _conv_backward_data_gpu(dy: Array, w: Array, dx: Array, *, geom: ConvGeometry) -> None:
+    _gpu_backward_data(get_array_module(dy), cuda.kernel, dy, w, dx, geom)
+
+
+@device_variant(_conv_backward_data_gpu)
 def conv_backward_data(dy: Array, w: Array, dx: Array, *, geom: ConvGeometry) -> None:
     """dx = w^T * dy: the GEMM gives the columns, col2im sums them back."""
     g = geom
-    xp = get_array_module(dy)
-    if xp is not np:
-        _gpu_backward_data(xp, cuda.kernel, dy, w, dx, g)
-        return
     ng = g.group
     mg = g.num_output // ng
     w2 = w.reshape(ng, mg, -1)
@@ -431,34 +434,36 @@ def conv_backward_data(dy: Array, w: Array, dx: Array, *, geom: ConvGeometry) ->
         dy3 = dy.reshape(g.num, ng, mg, -1)
         dx3 = dx.reshape(g.num, ng, -1, g.height * g.width)
         for k in range(ng):
-            xp.matmul(w2[k].T, dy3[:, k], out=dx3[:, k])
+            np.matmul(w2[k].T, dy3[:, k], out=dx3[:, k])
         return
     if _full_correlation(g):
-        conv_forward(dy, _flipped(xp, w, g), dx, geom=_flipped_geometry(g))
+        conv_forward(dy, _flipped(np, w, g), dx, geom=_flipped_geometry(g))
         return
     dy4, dx4 = _output(dy, g), _input(dx, g)
-    ws = _Workspace(xp, g, dy.dtype)
+    ws = _Workspace(np, g, dy.dtype)
     for s in ws.chunks:
         dyt = ws.to_matrix("dy", dy4[s]).reshape(ng, mg, -1)
         col = ws.matrix("col", g.channels * g.kernel_h * g.kernel_w, s.stop - s.start)
         col = col.reshape(ng, g.kernel_dim, -1)
         for k in range(ng):
-            xp.dot(w2[k].T, dyt[k], out=col[k])
+            np.dot(w2[k].T, dyt[k], out=col[k])
         ws.col2im(dx4[s])
 
 
+def _conv_backward_weight_gpu(*arrays: Array, geom: ConvGeometry) -> None:
+    *pairs, dw = arrays
+    _gpu_backward_weight(get_array_module(dw), cuda.kernel, pairs, dw, geom)
+
+
+@device_variant(_conv_backward_weight_gpu)
 def conv_backward_weight(*arrays: Array, geom: ConvGeometry) -> None:
     """dw = sum over the (x, dy) pairs of dy * x^T: ``arrays`` is x0, dy0, x1, dy1, ..., dw
     (a layer with several bottoms shares one weight)."""
     *pairs, dw = arrays
     g = geom
-    xp = get_array_module(dw)
-    if xp is not np:
-        _gpu_backward_weight(xp, cuda.kernel, pairs, dw, g)
-        return
     m, ng = g.num_output, g.group
     mg = m // ng
-    ws = _Workspace(xp, g, dw.dtype)
+    ws = _Workspace(np, g, dw.dtype)
     layout = "cols" if g.is_1x1 else _layout(g, forward=False)
     # Each chunk's product lands in `part`; the first one is the sum so far (`acc` is it).
     if layout == "rows":  # per group (mg, kh*kw*cg)
@@ -477,13 +482,13 @@ def conv_backward_weight(*arrays: Array, geom: ConvGeometry) -> None:
                 dyt = ws.buf("dy", (m, n, g.out_h * g.out_w))
                 dyt[...] = dy4[s].reshape(n, m, -1).transpose(1, 0, 2)
                 part = acc if first else ws.buf("part", acc.shape)
-                _group_gemm(xp, dyt.reshape(ng, mg, -1), rows, part, ng, -1, 1, -1)
+                _group_gemm(np, dyt.reshape(ng, mg, -1), rows, part, ng, -1, 1, -1)
             elif layout == "samples":
                 col = ws.im2col_samples(x4[s], False)
                 prods = ws.buf("prods", (n, ng, g.kernel_dim, mg))
                 dyt = dy4[s].reshape(n, m, -1).transpose(0, 2, 1)
                 for k in range(ng):
-                    xp.matmul(col[:, k * g.kernel_dim:(k + 1) * g.kernel_dim],
+                    np.matmul(col[:, k * g.kernel_dim:(k + 1) * g.kernel_dim],
                               dyt[:, :, k * mg:(k + 1) * mg], out=prods[:, k])
                 part = acc if first else ws.buf("part", acc.shape)
                 prods.sum(axis=0, out=part)
@@ -496,7 +501,7 @@ def conv_backward_weight(*arrays: Array, geom: ConvGeometry) -> None:
                 dyt = ws.to_matrix("dy", dy4[s]).reshape(ng, mg, -1)
                 part = acc if first else ws.buf("part", acc.shape)
                 for k in range(ng):
-                    xp.dot(dyt[k], col[k].T, out=part[k])
+                    np.dot(dyt[k], col[k].T, out=part[k])
             if not first:
                 acc += part
             first = False

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import assign, get_array_module
+from purine.backend import assign, device_variant, get_array_module
 from purine.errors import LabelError, PurineError
 
 Array = Any
@@ -45,9 +45,21 @@ def _class_labels(xp: Any, label: Array, outer: int, classes: int, inner: int,
     valid = xp.ones(value.shape, dtype=bool) if ignore_label is None else value != ignore_label
     # A NaN label fails both comparisons and is reported as out of range.
     bad = valid & ~((value >= 0) & (value < classes))
-    if xp is not np:
-        valid &= ~bad
-        return xp.where(valid, value, 0).astype(xp.int64), valid, bad
+    return _checked_labels(value, valid, bad, label, classes, ignore_label)
+
+
+def _checked_labels_gpu(value: Array, valid: Array, bad: Array, label: Array, classes: int,
+                        ignore_label: int | None) -> tuple[Array, Array, Array | None]:
+    xp = get_array_module(value)
+    valid &= ~bad
+    return xp.where(valid, value, 0).astype(xp.int64), valid, bad
+
+
+@device_variant(_checked_labels_gpu)
+def _checked_labels(value: Array, valid: Array, bad: Array, label: Array, classes: int,
+                    ignore_label: int | None) -> tuple[Array, Array, Array | None]:
+    """``_class_labels``' result from the truncated labels, the mask of those that count and
+    the mask of those out of range: an error on the host, NaN results on a GPU."""
     if bool(bad.any()):
         first = int(bad.reshape(-1).argmax())
         where = tuple(int(i) for i in _unravel(first, label.shape))
@@ -56,7 +68,7 @@ def _class_labels(xp: Any, label: Array, outer: int, classes: int, inner: int,
         raise LabelError(f"label value {raw:g} at index {where} of the label blob "
                          f"{tuple(label.shape)} is outside [0, {classes}){ignore} "
                          f"({int(bad.sum())} bad label(s) in all)")
-    index = xp.where(valid, value, 0).astype(xp.int64)
+    index = np.where(valid, value, 0).astype(np.int64)
     return index, valid, None
 
 
@@ -119,14 +131,25 @@ def softmax_loss_backward(prob: Array, label: Array, dloss: Array, dx: Array, *,
     outer, classes, inner = p3.shape
     index, valid, bad = _class_labels(xp, label, outer, classes, inner, ignore_label)
     scale = dloss / _normalizer(xp, normalization, valid, outer * inner, outer, prob.dtype)
-    if xp is not np:
-        factor = xp.where(bad, xp.nan, xp.where(valid, scale, 0)).astype(dx.dtype)
-        _softmax_loss_grad()(p3, index[:, None, :], factor[:, None, :],
-                             xp.arange(classes, dtype=xp.int64)[None, :, None], d3)
-        return
-    onehot = xp.arange(classes)[None, :, None] == index[:, None, :]
-    xp.subtract(p3, onehot, out=d3)
-    d3 *= xp.where(valid, scale, 0).astype(dx.dtype)[:, None, :]
+    _softmax_loss_gradient(p3, index, valid, bad, scale, d3)
+
+
+def _softmax_loss_gradient_gpu(p3: Array, index: Array, valid: Array, bad: Array | None,
+                               scale: Array, d3: Array) -> None:
+    xp = get_array_module(p3)
+    factor = xp.where(bad, xp.nan, xp.where(valid, scale, 0)).astype(d3.dtype)
+    _softmax_loss_grad()(p3, index[:, None, :], factor[:, None, :],
+                         xp.arange(p3.shape[1], dtype=xp.int64)[None, :, None], d3)
+
+
+@device_variant(_softmax_loss_gradient_gpu)
+def _softmax_loss_gradient(p3: Array, index: Array, valid: Array, bad: Array | None,
+                           scale: Array, d3: Array) -> None:
+    """d3 = (p3 - onehot(index)) * scale, zero where the label does not count; ``p3`` and
+    ``d3`` are (outer, classes, inner), the others (outer, inner) or 0-d."""
+    onehot = np.arange(p3.shape[1])[None, :, None] == index[:, None, :]
+    np.subtract(p3, onehot, out=d3)
+    d3 *= np.where(valid, scale, 0).astype(d3.dtype)[:, None, :]
 
 
 SOFTMAX_LOSS_GRAD = ("T p, int64 label, T factor, int64 c", "T dx",

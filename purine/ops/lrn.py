@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from purine.backend import cuda, get_array_module
+from purine.backend import cuda, device_variant, get_array_module
 
 Array = Any
 
@@ -76,14 +74,10 @@ def _norm(size: int, within: bool) -> int:
     return size * size if within else size
 
 
-def lrn_forward(x: Array, y: Array, scale: Array, *, size: int, alpha: float, beta: float,
-                shift: float, within: bool) -> None:
-    """y = x * scale^-beta, keeping ``scale`` (Caffe's scale_) for the backward pass."""
+def _forward_arrays(x: Array, y: Array, scale: Array, *, size: int, alpha: float,
+                    beta: float, shift: float, within: bool) -> None:
+    """The forward pass as array operations (the host's, and a GPU's WITHIN_CHANNEL)."""
     xp = get_array_module(x)
-    if xp is not np and not within:
-        _gpu_forward(cuda.kernel, x, y, scale, size=size, alpha=alpha, beta=beta,
-                     shift=shift)
-        return
     sq = xp.square(x)
     _window_sum(xp, sq, scale, size=size, within=within)
     scale *= alpha / _norm(size, within)
@@ -91,14 +85,28 @@ def lrn_forward(x: Array, y: Array, scale: Array, *, size: int, alpha: float, be
     xp.multiply(x, _power(xp, scale, -beta, sq), out=y)
 
 
-def lrn_backward(x: Array, y: Array, scale: Array, dy: Array, dx: Array, *, size: int,
-                 alpha: float, beta: float, within: bool) -> None:
-    """Caffe's formula: dx = dy * scale^-beta
-    - 2 alpha beta / norm * x * window_sum(dy * y / scale)."""
+def _lrn_forward_gpu(x: Array, y: Array, scale: Array, *, size: int, alpha: float,
+                     beta: float, shift: float, within: bool) -> None:
+    if within:
+        _forward_arrays(x, y, scale, size=size, alpha=alpha, beta=beta, shift=shift,
+                        within=within)
+    else:
+        _gpu_forward(cuda.kernel, x, y, scale, size=size, alpha=alpha, beta=beta,
+                     shift=shift)
+
+
+@device_variant(_lrn_forward_gpu)
+def lrn_forward(x: Array, y: Array, scale: Array, *, size: int, alpha: float, beta: float,
+                shift: float, within: bool) -> None:
+    """y = x * scale^-beta, keeping ``scale`` (Caffe's scale_) for the backward pass."""
+    _forward_arrays(x, y, scale, size=size, alpha=alpha, beta=beta, shift=shift,
+                    within=within)
+
+
+def _backward_arrays(x: Array, y: Array, scale: Array, dy: Array, dx: Array, *, size: int,
+                     alpha: float, beta: float, within: bool) -> None:
+    """The backward pass as array operations (the host's, and a GPU's WITHIN_CHANNEL)."""
     xp = get_array_module(x)
-    if xp is not np and not within:
-        _gpu_backward(cuda.kernel, x, y, scale, dy, dx, size=size, alpha=alpha, beta=beta)
-        return
     ratio = xp.multiply(dy, y)
     ratio /= scale
     acc = xp.empty_like(ratio)
@@ -107,6 +115,23 @@ def lrn_backward(x: Array, y: Array, scale: Array, dy: Array, dx: Array, *, size
     acc *= 2.0 * alpha * beta / _norm(size, within)
     xp.multiply(dy, _power(xp, scale, -beta, ratio), out=dx)
     dx -= acc
+
+
+def _lrn_backward_gpu(x: Array, y: Array, scale: Array, dy: Array, dx: Array, *, size: int,
+                      alpha: float, beta: float, within: bool) -> None:
+    if within:
+        _backward_arrays(x, y, scale, dy, dx, size=size, alpha=alpha, beta=beta,
+                         within=within)
+    else:
+        _gpu_backward(cuda.kernel, x, y, scale, dy, dx, size=size, alpha=alpha, beta=beta)
+
+
+@device_variant(_lrn_backward_gpu)
+def lrn_backward(x: Array, y: Array, scale: Array, dy: Array, dx: Array, *, size: int,
+                 alpha: float, beta: float, within: bool) -> None:
+    """Caffe's formula: dx = dy * scale^-beta
+    - 2 alpha beta / norm * x * window_sum(dy * y / scale)."""
+    _backward_arrays(x, y, scale, dy, dx, size=size, alpha=alpha, beta=beta, within=within)
 
 
 # -- GPU (ACROSS_CHANNELS); ``kernels(family, name, dtype) -> launch`` is passed in so that

@@ -10,7 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import RandomStream, cuda, get_array_module, host_parallel
+from purine.backend import (
+    RandomStream,
+    cuda,
+    device_variant,
+    get_array_module,
+    host_parallel,
+    scatter_add,
+)
 
 Array = Any
 
@@ -96,47 +103,48 @@ def _window_starts(xp: Any, g: PoolGeometry) -> Array:
     return hs[:, None] * g.width + ws[None, :]
 
 
+def _max_pool_forward_gpu(x: Array, y: Array, mask: Array, *, geom: PoolGeometry) -> None:
+    _gpu_max_pool_forward(get_array_module(x), cuda.kernel, x, y, mask, geom)
+
+
+@device_variant(_max_pool_forward_gpu)
 def max_pool_forward(x: Array, y: Array, mask: Array, *, geom: PoolGeometry) -> None:
     """y = the window maxima; ``mask`` = the plane index h*W + w of each maximum (the first
     in scan order on ties), as Caffe's max_idx_ or its optional second top (float)."""
     g = geom
-    xp = get_array_module(x)
-    if xp is not np:
-        _gpu_max_pool_forward(xp, cuda.kernel, x, y, mask, g)
-        return
     x4, y4, m4 = _planes(x, g, False), _planes(y, g, True), _planes(mask, g, True)
-    host_parallel(lambda s: _max_pool_forward(xp, x4[s], y4[s], m4[s],
+    host_parallel(lambda s: _max_pool_forward(x4[s], y4[s], m4[s],
                                               replace(g, num=s.stop - s.start)),
-                  g.num, xp, work=x4.size)
+                  g.num, work=x4.size)
 
 
-def _max_pool_forward(xp: Any, x4: Array, y4: Array, m4: Array, g: PoolGeometry) -> None:
+def _max_pool_forward(x4: Array, y4: Array, m4: Array, g: PoolGeometry) -> None:
     if g.is_global:
         flat = x4.reshape(g.num, g.channels, -1)
         arg = flat.argmax(axis=2)
-        y4[:, :, 0, 0] = xp.take_along_axis(flat, arg[:, :, None], axis=2)[:, :, 0]
+        y4[:, :, 0, 0] = np.take_along_axis(flat, arg[:, :, None], axis=2)[:, :, 0]
         m4[:, :, 0, 0] = arg
         return
     # Padding is -inf so that it never wins: Caffe's windows are clipped to the image.
-    xpad = _padded(xp, x4, g, -np.inf)
+    xpad = _padded(np, x4, g, -np.inf)
     kk = g.kernel_h * g.kernel_w
     code_type = np.uint8 if kk < 256 else np.int32
-    code = xp.zeros(y4.shape, dtype=code_type)  # the kernel offset of the running maximum
-    cur = xp.empty(y4.shape, dtype=x4.dtype)
-    better = xp.empty(y4.shape, dtype=bool)
-    step = xp.empty(y4.shape, dtype=code_type)
+    code = np.zeros(y4.shape, dtype=code_type)  # the kernel offset of the running maximum
+    cur = np.empty(y4.shape, dtype=x4.dtype)
+    better = np.empty(y4.shape, dtype=bool)
+    step = np.empty(y4.shape, dtype=code_type)
     y4[...] = _window(xpad, g, 0, 0)
     for o in range(1, kk):
         # Contiguous copies first: ufuncs on the strided windows pay per short row.
         cur[...] = _window(xpad, g, o // g.kernel_w, o % g.kernel_w)
-        xp.greater(cur, y4, out=better)
-        xp.maximum(y4, cur, out=y4)
+        np.greater(cur, y4, out=better)
+        np.maximum(y4, cur, out=y4)
         # A strictly greater value replaces the argmax; offsets rise, so the last
         # replacement is the largest offset that won: a maximum of better * o.
-        xp.multiply(better, code_type(o), out=step)
-        xp.maximum(code, step, out=code)
-    offsets = xp.asarray([(o // g.kernel_w) * g.width + o % g.kernel_w for o in range(kk)])
-    xp.add(offsets[code], _window_starts(xp, g), out=m4, casting="unsafe")
+        np.multiply(better, code_type(o), out=step)
+        np.maximum(code, step, out=code)
+    offsets = np.asarray([(o // g.kernel_w) * g.width + o % g.kernel_w for o in range(kk)])
+    np.add(offsets[code], _window_starts(np, g), out=m4, casting="unsafe")
     if g.empty_rows or g.empty_cols:
         # Windows wholly outside the image keep Caffe's initial values.
         for region in (np.s_[:, :, g.pooled_h - g.empty_rows:],
@@ -145,43 +153,35 @@ def _max_pool_forward(xp: Any, x4: Array, y4: Array, m4: Array, g: PoolGeometry)
             m4[region] = -1
 
 
+def _max_pool_backward_gpu(dy: Array, mask: Array, dx: Array, *, geom: PoolGeometry) -> None:
+    _gpu_max_pool_backward(get_array_module(dy), cuda.kernel, dy, mask, dx, geom)
+
+
+@device_variant(_max_pool_backward_gpu)
 def max_pool_backward(dy: Array, mask: Array, dx: Array, *, geom: PoolGeometry) -> None:
     """dx = dy scattered to the argmax of each window; overlapping windows add up."""
     g = geom
-    xp = get_array_module(dy)
-    if xp is not np:
-        _gpu_max_pool_backward(xp, cuda.kernel, dy, mask, dx, g)
-        return
     dy4, m4, dx4 = _planes(dy, g, True), _planes(mask, g, True), _planes(dx, g, False)
-    host_parallel(lambda s: _max_pool_backward(xp, dy4[s], m4[s], dx4[s],
+    host_parallel(lambda s: _max_pool_backward(dy4[s], m4[s], dx4[s],
                                                replace(g, num=s.stop - s.start)),
-                  g.num, xp, work=dx4.size)
+                  g.num, work=dx4.size)
 
 
-def _max_pool_backward(xp: Any, dy: Array, mask: Array, dx: Array, g: PoolGeometry) -> None:
+def _max_pool_backward(dy: Array, mask: Array, dx: Array, g: PoolGeometry) -> None:
     plane = g.height * g.width
-    base = xp.arange(g.num * g.channels, dtype=np.int64).reshape(g.num, g.channels, 1, 1)
+    base = np.arange(g.num * g.channels, dtype=np.int64).reshape(g.num, g.channels, 1, 1)
     index = _planes(mask, g, True).astype(np.int64) + base * plane
     values = _planes(dy, g, True)
     if g.empty_rows or g.empty_cols:
         # A window outside the image has no argmax (mask -1) and passes nothing down.
-        values = xp.where(index >= base * plane, values, 0)
-        index = xp.maximum(index, base * plane)
+        values = np.where(index >= base * plane, values, 0)
+        index = np.maximum(index, base * plane)
     flat = dx.reshape(-1)
     flat.fill(0)
     if g.overlapping or g.empty_rows or g.empty_cols:
-        _scatter_add(xp, flat, index.reshape(-1), values.reshape(-1))
+        scatter_add(flat, index.reshape(-1), values.reshape(-1))
     else:  # each input is the argmax of at most one window
         flat[index.reshape(-1)] = values.reshape(-1)
-
-
-def _scatter_add(xp: Any, target: Array, index: Array, values: Array) -> None:
-    if xp is np:
-        np.add.at(target, index, values)
-    else:  # pragma: no cover - needs a GPU
-        import cupyx
-
-        cupyx.scatter_add(target, index, values)
 
 
 def _ave_matrix(xp: Any, pooled: int, size: int, kernel: int, stride: int, pad: int,
@@ -215,17 +215,18 @@ def _zero_extent(g: PoolGeometry) -> tuple[list[int], list[int]]:
     return rows, cols
 
 
+def _ave_pool_forward_gpu(x: Array, y: Array, *, geom: PoolGeometry) -> None:
+    _gpu_ave_pool(cuda.kernel, "ave_pool_forward", x, y, geom)
+
+
+@device_variant(_ave_pool_forward_gpu)
 def ave_pool_forward(x: Array, y: Array, *, geom: PoolGeometry) -> None:
     """y = Bh x Bw^T per plane: two GEMMs, no padded copy (the matrices clip the windows)."""
     g = geom
-    xp = get_array_module(x)
-    if xp is not np:
-        _gpu_ave_pool(cuda.kernel, "ave_pool_forward", x, y, g)
-        return
-    bh, bw = _ave_matrices(xp, g, x.dtype)
+    bh, bw = _ave_matrices(np, g, x.dtype)
     planes = g.num * g.channels
-    rows = xp.dot(x.reshape(planes * g.height, g.width), bw.T)
-    xp.matmul(bh, rows.reshape(planes, g.height, g.pooled_w),
+    rows = np.dot(x.reshape(planes * g.height, g.width), bw.T)
+    np.matmul(bh, rows.reshape(planes, g.height, g.pooled_w),
               out=y.reshape(planes, g.pooled_h, g.pooled_w))
     zero_rows, zero_cols = _zero_extent(g)
     if zero_rows or zero_cols:
@@ -234,17 +235,18 @@ def ave_pool_forward(x: Array, y: Array, *, geom: PoolGeometry) -> None:
         y4[..., zero_cols] = np.nan
 
 
+def _ave_pool_backward_gpu(dy: Array, dx: Array, *, geom: PoolGeometry) -> None:
+    _gpu_ave_pool(cuda.kernel, "ave_pool_backward", dy, dx, geom)
+
+
+@device_variant(_ave_pool_backward_gpu)
 def ave_pool_backward(dy: Array, dx: Array, *, geom: PoolGeometry) -> None:
     """dx = Bh^T dy Bw per plane: each window's dy / pool size over its image part."""
     g = geom
-    xp = get_array_module(dy)
-    if xp is not np:
-        _gpu_ave_pool(cuda.kernel, "ave_pool_backward", dy, dx, g)
-        return
-    bh, bw = _ave_matrices(xp, g, dy.dtype)
+    bh, bw = _ave_matrices(np, g, dy.dtype)
     planes = g.num * g.channels
-    cols = xp.matmul(bh.T, dy.reshape(planes, g.pooled_h, g.pooled_w))
-    xp.dot(cols.reshape(planes * g.height, g.pooled_w), bw,
+    cols = np.matmul(bh.T, dy.reshape(planes, g.pooled_h, g.pooled_w))
+    np.dot(cols.reshape(planes * g.height, g.pooled_w), bw,
            out=dx.reshape(planes * g.height, g.width))
 
 
@@ -309,24 +311,26 @@ def stochastic_pool_forward_train(x: Array, y: Array, index: Array, *, geom: Poo
             i4[region] = -1
 
 
+def _stochastic_pool_backward_gpu(dy: Array, index: Array, dx: Array, *, geom: PoolGeometry
+                                  ) -> None:
+    # MAX's gather kernel: it compares each covering window's index with the pixel's.
+    _gpu_max_pool_backward(get_array_module(dy), cuda.kernel, dy, index, dx, geom)
+
+
+@device_variant(_stochastic_pool_backward_gpu)
 def stochastic_pool_backward(dy: Array, index: Array, dx: Array, *, geom: PoolGeometry
                              ) -> None:
     """dx = dy routed to each window's pick (``index``, -1: nowhere); overlapping windows
     add up."""
     g = geom
-    xp = get_array_module(dy)
-    if xp is not np:
-        # MAX's gather kernel: it compares each covering window's index with the pixel's.
-        _gpu_max_pool_backward(xp, cuda.kernel, dy, index, dx, g)
-        return
     i4, dy4 = _planes(index, g, True), _planes(dy, g, True)
     plane = g.height * g.width
-    base = xp.arange(g.num * g.channels, dtype=np.int64).reshape(g.num, g.channels, 1, 1)
+    base = np.arange(g.num * g.channels, dtype=np.int64).reshape(g.num, g.channels, 1, 1)
     valid = i4 >= 0
     target = (i4.astype(np.int64) + base * plane)[valid]
     flat = dx.reshape(-1)
     flat.fill(0)
-    _scatter_add(xp, flat, target, dy4[valid])
+    scatter_add(flat, target, dy4[valid])
 
 
 def _stochastic_sums(xp: Any, xpad: Array, g: PoolGeometry, dtype: Any) -> tuple[Array, Array]:

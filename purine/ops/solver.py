@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import get_array_module, is_device_array
+from purine.backend import device_variant, get_array_module, is_device_array
 from purine.errors import PurineError
 from purine.ops.tensor import elementwise, scalar_arg
 
@@ -78,17 +78,21 @@ def _exp(x: float) -> np.float64:
         return np.float64(math.inf)
 
 
+def _learning_rate_gpu(it: Array, lr_out: Array, *, policy: str, base_lr: float,
+                       gamma: float, power: float, stepsize: int, stepvalues: tuple,
+                       max_iter: int) -> None:
+    rate(policy, 0, base_lr=base_lr, gamma=gamma, power=power, stepsize=stepsize,
+         stepvalues=stepvalues, max_iter=max_iter)  # the host path's parameter errors
+    code = _lr_code(policy, stepvalues)
+    elementwise(f"lr_{policy}", _LR_PARAMS, "L lr", code)(
+        scalar_arg(it), float(base_lr), float(gamma), float(power), int(stepsize),
+        float(max_iter), lr_out)
+
+
+@device_variant(_learning_rate_gpu)
 def learning_rate(it: Array, lr_out: Array, *, policy: str, base_lr: float, gamma: float,
                   power: float, stepsize: int, stepvalues: tuple, max_iter: int) -> None:
     """lr_out = rate(policy, it, ...); ``it`` is a 0-d array holding the iteration."""
-    if get_array_module(lr_out) is not np:
-        rate(policy, 0, base_lr=base_lr, gamma=gamma, power=power, stepsize=stepsize,
-             stepvalues=stepvalues, max_iter=max_iter)  # the host path's parameter errors
-        code = _lr_code(policy, stepvalues)
-        elementwise(f"lr_{policy}", _LR_PARAMS, "L lr", code)(
-            scalar_arg(it), float(base_lr), float(gamma), float(power), int(stepsize),
-            float(max_iter), lr_out)
-        return
     lr_out[...] = rate(policy, int(it), base_lr=base_lr, gamma=gamma, power=power,
                        stepsize=stepsize, stepvalues=stepvalues, max_iter=max_iter)
 
@@ -151,31 +155,40 @@ def gradient_scale(*grads_and_out: Array, clip: float) -> None:
     scale_out[...] = clip_t / xp.maximum(norm, clip_t)
 
 
+def _check_regularization(decay: float, regularization: str) -> None:
+    """Caffe skips the regularizer when ``decay`` is 0, and then never checks its type."""
+    if decay and regularization not in REGULARIZATION_TYPES:
+        raise PurineError(f"unknown regularization_type '{regularization}': expected one of "
+                          f"{', '.join(REGULARIZATION_TYPES)}")
+
+
+def _prepare_gradient_gpu(w: Array, g: Array, scale: Array, g_out: Array, *, iter_size: int,
+                          decay: float, regularization: str) -> None:
+    _check_regularization(decay, regularization)
+    dt = g_out.dtype.type
+    _prime(g, g_out)
+    reg = 0 if not decay else REGULARIZATION_TYPES.index(regularization) + 1
+    inv = float(dt(1) / dt(iter_size)) if iter_size > 1 else 1.0
+    _fused("prepare_gradient")(w, scalar_arg(scale), inv, float(decay), reg, g_out)
+
+
+@device_variant(_prepare_gradient_gpu)
 def prepare_gradient(w: Array, g: Array, scale: Array, g_out: Array, *, iter_size: int,
                      decay: float, regularization: str) -> None:
     """g_out = g * scale / iter_size + decay * R(w), R(w) = w (L2) or sign(w) (L1), in Caffe's
     order: clipping scale, Normalize, Regularize. ``decay`` is weight_decay * decay_mult;
     Caffe skips the regularizer when it is 0 (and then never checks its type)."""
-    if decay and regularization not in REGULARIZATION_TYPES:
-        raise PurineError(f"unknown regularization_type '{regularization}': expected one of "
-                          f"{', '.join(REGULARIZATION_TYPES)}")
-    xp = get_array_module(w, g, g_out)
+    _check_regularization(decay, regularization)
     dt = g_out.dtype.type
-    if xp is not np:
-        _prime(g, g_out)
-        reg = 0 if not decay else REGULARIZATION_TYPES.index(regularization) + 1
-        inv = float(dt(1) / dt(iter_size)) if iter_size > 1 else 1.0
-        _fused("prepare_gradient")(w, scalar_arg(scale), inv, float(decay), reg, g_out)
-        return
-    xp.multiply(g, scale.astype(g_out.dtype, copy=False), out=g_out)
+    np.multiply(g, scale.astype(g_out.dtype, copy=False), out=g_out)
     if iter_size > 1:
         g_out *= dt(1) / dt(iter_size)
     if not decay:
         return
     if regularization == "L2":
-        g_out += xp.multiply(w, dt(decay))
+        g_out += np.multiply(w, dt(decay))
     else:
-        r = xp.sign(w)
+        r = np.sign(w)
         r *= dt(decay)
         g_out += r
 
@@ -187,130 +200,144 @@ def _local_rate(lr: Array, lr_mult: float, dtype: Any) -> Array:
     return lr.astype(dtype, copy=False) * dtype.type(lr_mult)
 
 
+def _sgd_update_gpu(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out: Array, *,
+                    lr_mult: float, momentum: float) -> None:
+    _update("sgd", g, lr, (w, h), (w_out, h_out), lr_mult, momentum)
+
+
+@device_variant(_sgd_update_gpu)
 def sgd_update(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out: Array, *,
                lr_mult: float, momentum: float) -> None:
     """h = momentum * h + local_rate * g; w -= h."""
-    xp = get_array_module(g, w, h)
-    if xp is not np:
-        _update("sgd", g, lr, (w, h), (w_out, h_out), lr_mult, momentum)
-        return
-    t = xp.multiply(g, _local_rate(lr, lr_mult, w.dtype))
-    xp.multiply(h, w.dtype.type(momentum), out=h_out)
+    t = np.multiply(g, _local_rate(lr, lr_mult, w.dtype))
+    np.multiply(h, w.dtype.type(momentum), out=h_out)
     h_out += t
-    xp.subtract(w, h_out, out=w_out)
+    np.subtract(w, h_out, out=w_out)
 
 
+def _nesterov_update_gpu(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out: Array, *,
+                         lr_mult: float, momentum: float) -> None:
+    _update("nesterov", g, lr, (w, h), (w_out, h_out), lr_mult, momentum)
+
+
+@device_variant(_nesterov_update_gpu)
 def nesterov_update(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out: Array, *,
                     lr_mult: float, momentum: float) -> None:
     """h' = momentum * h + local_rate * g; w -= (1 + momentum) * h' - momentum * h."""
-    xp = get_array_module(g, w, h)
-    if xp is not np:
-        _update("nesterov", g, lr, (w, h), (w_out, h_out), lr_mult, momentum)
-        return
     m = w.dtype.type(momentum)
-    back = xp.multiply(h, -m)  # read before h_out (possibly h itself) is written
-    t = xp.multiply(g, _local_rate(lr, lr_mult, w.dtype))
-    xp.multiply(h, m, out=h_out)
+    back = np.multiply(h, -m)  # read before h_out (possibly h itself) is written
+    t = np.multiply(g, _local_rate(lr, lr_mult, w.dtype))
+    np.multiply(h, m, out=h_out)
     h_out += t
-    xp.multiply(h_out, w.dtype.type(1) + m, out=t)
+    np.multiply(h_out, w.dtype.type(1) + m, out=t)
     t += back
-    xp.subtract(w, t, out=w_out)
+    np.subtract(w, t, out=w_out)
 
 
+def _adagrad_update_gpu(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out: Array, *,
+                        lr_mult: float, delta: float) -> None:
+    _update("adagrad", g, lr, (w, h), (w_out, h_out), lr_mult, delta)
+
+
+@device_variant(_adagrad_update_gpu)
 def adagrad_update(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out: Array, *,
                    lr_mult: float, delta: float) -> None:
     """h += g^2; w -= local_rate * g / (sqrt(h) + delta)."""
-    xp = get_array_module(g, w, h)
-    if xp is not np:
-        _update("adagrad", g, lr, (w, h), (w_out, h_out), lr_mult, delta)
-        return
-    t = xp.multiply(g, g)
-    xp.add(h, t, out=h_out)
-    xp.sqrt(h_out, out=t)
+    t = np.multiply(g, g)
+    np.add(h, t, out=h_out)
+    np.sqrt(h_out, out=t)
     t += w.dtype.type(delta)
-    xp.divide(g, t, out=t)
+    np.divide(g, t, out=t)
     t *= _local_rate(lr, lr_mult, w.dtype)
-    xp.subtract(w, t, out=w_out)
+    np.subtract(w, t, out=w_out)
 
 
+def _rmsprop_update_gpu(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out: Array, *,
+                        lr_mult: float, rms_decay: float, delta: float) -> None:
+    _update("rmsprop", g, lr, (w, h), (w_out, h_out), lr_mult, rms_decay, delta)
+
+
+@device_variant(_rmsprop_update_gpu)
 def rmsprop_update(g: Array, lr: Array, w: Array, h: Array, w_out: Array, h_out: Array, *,
                    lr_mult: float, rms_decay: float, delta: float) -> None:
     """h = rms_decay * h + (1 - rms_decay) * g^2; w -= local_rate * g / (sqrt(h) + delta)."""
-    xp = get_array_module(g, w, h)
-    if xp is not np:
-        _update("rmsprop", g, lr, (w, h), (w_out, h_out), lr_mult, rms_decay, delta)
-        return
     d = w.dtype.type(rms_decay)
-    t = xp.multiply(g, g)
+    t = np.multiply(g, g)
     t *= w.dtype.type(1) - d
-    xp.multiply(h, d, out=h_out)
+    np.multiply(h, d, out=h_out)
     h_out += t
-    xp.sqrt(h_out, out=t)
+    np.sqrt(h_out, out=t)
     t += w.dtype.type(delta)
-    xp.divide(g, t, out=t)
+    np.divide(g, t, out=t)
     t *= _local_rate(lr, lr_mult, w.dtype)
-    xp.subtract(w, t, out=w_out)
+    np.subtract(w, t, out=w_out)
 
 
+def _adadelta_update_gpu(g: Array, lr: Array, w: Array, h: Array, h2: Array, w_out: Array,
+                         h_out: Array, h2_out: Array, *, lr_mult: float, momentum: float,
+                         delta: float) -> None:
+    _update("adadelta", g, lr, (w, h, h2), (w_out, h_out, h2_out), lr_mult, momentum,
+            delta)
+
+
+@device_variant(_adadelta_update_gpu)
 def adadelta_update(g: Array, lr: Array, w: Array, h: Array, h2: Array, w_out: Array,
                     h_out: Array, h2_out: Array, *, lr_mult: float, momentum: float,
                     delta: float) -> None:
     """``h`` averages squared gradients, ``h2`` squared updates (Caffe's second history):
     h = m h + (1-m) g^2;  u = g sqrt((h2 + delta) / (h + delta));
     h2 = m h2 + (1-m) u^2;  w -= local_rate * u."""
-    xp = get_array_module(g, w, h, h2)
-    if xp is not np:
-        _update("adadelta", g, lr, (w, h, h2), (w_out, h_out, h2_out), lr_mult, momentum,
-                delta)
-        return
     dt = w.dtype.type
     m, one_m, eps = dt(momentum), dt(1) - dt(momentum), dt(delta)
-    u = xp.multiply(g, g)
+    u = np.multiply(g, g)
     u *= one_m
-    xp.multiply(h, m, out=h_out)
+    np.multiply(h, m, out=h_out)
     h_out += u
-    xp.add(h2, eps, out=u)
-    t = xp.add(h_out, eps)
+    np.add(h2, eps, out=u)
+    t = np.add(h_out, eps)
     u /= t
-    xp.sqrt(u, out=u)
+    np.sqrt(u, out=u)
     u *= g
-    xp.multiply(u, u, out=t)
+    np.multiply(u, u, out=t)
     t *= one_m
-    xp.multiply(h2, m, out=h2_out)
+    np.multiply(h2, m, out=h2_out)
     h2_out += t
     u *= _local_rate(lr, lr_mult, w.dtype)
-    xp.subtract(w, u, out=w_out)
+    np.subtract(w, u, out=w_out)
 
 
+def _adam_update_gpu(g: Array, lr: Array, it: Array, w: Array, m: Array, v: Array, w_out: Array,
+                     m_out: Array, v_out: Array, *, lr_mult: float, beta1: float, beta2: float,
+                     delta: float) -> None:
+    _update("adam", g, lr, (w, m, v), (w_out, m_out, v_out), scalar_arg(it), lr_mult,
+            beta1, beta2, delta)
+
+
+@device_variant(_adam_update_gpu)
 def adam_update(g: Array, lr: Array, it: Array, w: Array, m: Array, v: Array, w_out: Array,
                 m_out: Array, v_out: Array, *, lr_mult: float, beta1: float, beta2: float,
                 delta: float) -> None:
     """m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
     w -= local_rate * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + delta),  t = it + 1.
     Caffe adds ``delta`` to the uncorrected sqrt(v) and folds the correction into the rate."""
-    xp = get_array_module(g, w, m, v)
-    if xp is not np:
-        _update("adam", g, lr, (w, m, v), (w_out, m_out, v_out), scalar_arg(it), lr_mult,
-                beta1, beta2, delta)
-        return
     dt = w.dtype.type
     b1, b2 = dt(beta1), dt(beta2)
     # Caffe evaluates the correction in double from the Dtype betas (std::pow(float, int)).
     t = it.astype(np.float64) + 1
-    correction = xp.sqrt(1 - xp.power(np.float64(b2), t)) / (1 - xp.power(np.float64(b1), t))
+    correction = np.sqrt(1 - np.power(np.float64(b2), t)) / (1 - np.power(np.float64(b1), t))
     step = (_local_rate(lr, lr_mult, w.dtype) * correction).astype(w.dtype)
-    tmp = xp.multiply(g, dt(1) - b1)
-    xp.multiply(m, b1, out=m_out)
+    tmp = np.multiply(g, dt(1) - b1)
+    np.multiply(m, b1, out=m_out)
     m_out += tmp
-    xp.multiply(g, g, out=tmp)
+    np.multiply(g, g, out=tmp)
     tmp *= dt(1) - b2
-    xp.multiply(v, b2, out=v_out)
+    np.multiply(v, b2, out=v_out)
     v_out += tmp
-    xp.sqrt(v_out, out=tmp)
+    np.sqrt(v_out, out=tmp)
     tmp += dt(delta)
-    xp.divide(m_out, tmp, out=tmp)
+    np.divide(m_out, tmp, out=tmp)
     tmp *= step
-    xp.subtract(w, tmp, out=w_out)
+    np.subtract(w, tmp, out=w_out)
 
 
 # -- the fused GPU kernels --------------------------------------------------------------------

@@ -10,6 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from purine import backend
 from purine.backend import cuda
 from purine.errors import PurineError
 from purine.ops import conv, lrn, pooling
@@ -400,8 +401,9 @@ def test_lrn_across_matches_cpu(case, dtype):
 
 # -- the public ops take their GPU branch for device arrays ----------------------------------
 class FakeDeviceModule:
-    """Stands in for cupy as the array module (numpy underneath) so that the public ops
-    take their ``xp is not np`` branch, which then launches the emulated kernels."""
+    """Stands in for cupy as the array module (numpy underneath) of the device bodies that
+    the public ops run while every array counts as a device array; those bodies then launch
+    the emulated kernels."""
 
     def __getattr__(self, name):
         return getattr(np, name)
@@ -416,6 +418,7 @@ def gpu_branch(monkeypatch):
         return emulate.kernel(family, name, dtype)
 
     monkeypatch.setattr(cuda, "kernel", kernel)
+    monkeypatch.setattr(backend, "is_device_array", lambda a: True)
     for module in (conv, pooling, lrn):
         monkeypatch.setattr(module, "get_array_module", lambda *a: FakeDeviceModule())
     return launched
@@ -432,6 +435,7 @@ def test_public_ops_take_the_gpu_branch(gpu_branch):
     conv.deconv_forward(dy, w, dbias, xd, geom=g)
     assert gpu_branch == ["im2col", "col2im", "im2col", "col2im"]
     want = [np.empty_like(a) for a in (y, dx, dw, xd)]
+    backend.is_device_array = lambda a: False  # the host bodies; the fixture restores it
     for module in (conv,):
         module.get_array_module = lambda *a: np  # the fixture restores it
     conv.conv_forward(x, w, b, want[0], geom=g)
@@ -442,6 +446,7 @@ def test_public_ops_take_the_gpu_branch(gpu_branch):
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-10)
 
     gpu_branch.clear()
+    backend.is_device_array = lambda a: True
     pg = pool_geometry(2, 3, 7, 7, (3, 3), (2, 2), (1, 1))
     px, pdy = pool_inputs(pg, np.float64)
     shape = pdy.shape
@@ -460,6 +465,7 @@ def test_public_ops_take_the_gpu_branch(gpu_branch):
     lrn.lrn_forward(lx, wy, ws, shift=1.0, within=True, **params)  # the array code
     assert gpu_branch == ["max_pool_forward", "max_pool_backward", "ave_pool_forward",
                           "ave_pool_backward", "lrn_across_forward", "lrn_across_backward"]
+    backend.is_device_array = lambda a: False
     for module in (pooling, lrn):
         module.get_array_module = lambda *a: np
     ry, rm, rdx = np.empty(shape), np.empty(shape, np.int32), np.empty_like(px)

@@ -3,7 +3,8 @@ tensor, inner_product, recurrent, im2col) and pooling's STOCHASTIC kernels (arra
 GPU against the same kernel on numpy, from one table of cases. Without a GPU, the fused
 kernels' CUDA C compiles for sm_90 and, run serially on the CPU, gives the numpy path's numbers
 bit for bit, and the device-only branches of the Filter, BatchReindex and STOCHASTIC backward
-kernels run on numpy through a stand-in array module (the last with our CUDA C emulated)."""
+kernels run on numpy as device arrays (``backend.is_device_array`` patched) through a
+stand-in array module (the last with our CUDA C emulated)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+from purine import backend
 from purine.backend import RandomStream, cuda
 from purine.errors import LabelError, PurineError
 from purine.ops import activation as act
@@ -730,19 +732,16 @@ def test_fused_softmax_loss_grad_bit_for_bit_emulated(ignore, dtype):
 
 
 class DeviceLike:
-    """numpy under another name, so that the array kernels take the branches a GPU takes
-    (``xp is not np``); its argsort is stable whatever the kind, as CuPy's always is."""
+    """numpy under another name: the array module of the device bodies the ops run while
+    every array counts as a device array."""
 
     def __getattr__(self, name):
         return getattr(np, name)
 
-    @staticmethod
-    def argsort(a, axis=-1, kind=None):
-        return np.argsort(a, axis=axis, kind="stable")
-
 
 @pytest.fixture
 def device_branch(monkeypatch):
+    monkeypatch.setattr(backend, "is_device_array", lambda a: True)
     monkeypatch.setattr(arr, "get_array_module", lambda *a: DeviceLike())
     # CuPy's scatter-add, which sums repeated indices as np.add.at does
     monkeypatch.setitem(sys.modules, "cupyx", types.SimpleNamespace(scatter_add=np.add.at))
@@ -812,6 +811,7 @@ def test_stochastic_backward_device_branch_routes_as_the_host(monkeypatch, geom,
         launched.append(name)
         return cuda_emulate.kernel(family, name, dt)
 
+    monkeypatch.setattr(backend, "is_device_array", lambda a: True)
     monkeypatch.setattr(pl, "get_array_module", lambda *a: DeviceLike())
     monkeypatch.setattr(cuda, "kernel", kernel)
     got = np.full_like(want, np.nan)
