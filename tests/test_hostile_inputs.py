@@ -204,17 +204,23 @@ def test_a_net_too_big_for_memory_is_refused_naming_the_layer(tmp_path, machine_
 def test_an_empty_batch_runs_as_in_caffe(tmp_path):
     from purine.caffe import TEST, Net
 
-    # Caffe's GEMMs take M = 0: the top is empty and the weight gradient is zero
-    text = ('force_backward: true\nlayer { name: "in" type: "Input" top: "x" input_param { '
-            'shape { dim: 0 dim: 2 dim: 3 dim: 3 } } }\n'
+    # Caffe's GEMMs take M = 0: the tops are empty and the weight gradient is zero; the
+    # softmax loss divides by max(1, count), the accuracy of no samples is 0
+    text = ('force_backward: true\nlayer { name: "in" type: "Input" top: "x" top: "label" '
+            'input_param { shape { dim: 0 dim: 2 dim: 3 dim: 3 } shape { dim: 0 } } }\n'
             'layer { name: "bn" type: "BatchNorm" bottom: "x" top: "b" }\n'
-            'layer { name: "ip" type: "InnerProduct" bottom: "b" top: "y" '
-            'inner_product_param { num_output: 5 weight_filler { type: "gaussian" } } }')
+            'layer { name: "lrn" type: "LRN" bottom: "b" top: "n" }\n'
+            'layer { name: "ip" type: "InnerProduct" bottom: "n" top: "y" '
+            'inner_product_param { num_output: 5 weight_filler { type: "gaussian" } } }\n'
+            'layer { name: "loss" type: "SoftmaxWithLoss" bottom: "y" bottom: "label" '
+            'top: "loss" }\n'
+            'layer { name: "acc" type: "Accuracy" bottom: "y" bottom: "label" top: "acc" }')
     with Net(net_file(tmp_path, text), TEST) as net:
         net.params["ip"][0].diff[...] = 7
-        net.forward()
+        out = net.forward()
         net.backward()
         assert net.blobs["y"].data.shape == (0, 5)
+        assert (float(out["loss"]), float(out["acc"])) == (0.0, 0.0)
         assert net.params["ip"][0].diff.shape == (5, 18)
         assert not net.params["ip"][0].diff.any()
 
@@ -317,3 +323,13 @@ def test_a_diverging_run_prints_no_numpy_warnings(tmp_path, capsys, recwarn):
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == ("purine-caffe train: iteration 1: the loss is inf; training "
                                     "stopped (snapshots already written are intact)")
+
+
+def test_a_random_stream_refuses_a_negative_draw_count():
+    from purine.backend import RandomStream
+
+    s = RandomStream(7, 3)
+    with pytest.raises(ValueError, match="count -1 is below 0"):
+        s.restore({"count": -1})
+    s.restore({"count": 2})
+    assert s.state() == {"count": 2}

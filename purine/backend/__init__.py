@@ -310,7 +310,10 @@ class RandomStream:
         return {"count": self.count}
 
     def restore(self, state: dict) -> None:
-        self.count = int(state["count"])
+        count = int(state["count"])
+        if count < 0:  # the generator's seed sequence takes no negative entry
+            raise ValueError(f"count {count} is below 0")
+        self.count = count
 
 
 _HOST_POOL: ThreadPoolExecutor | None = None

@@ -14,9 +14,9 @@ import numpy as np
 from purine.backend import assign, is_device_array, to_host
 from purine.caffe.fillers import fill
 from purine.caffe.layer import BUILDERS, LayerBuild, LegacyAxes
-from purine.errors import LayerError, ProtoError, PurineError
+from purine.errors import LayerError, PurineError
 from purine.formats import caffe_pb2 as pb
-from purine.formats.caffemodel import atomic_write, blob_to_array, net_chunks, read_caffemodel
+from purine.formats.caffemodel import atomic_write, blob_arrays, net_chunks, read_caffemodel
 from purine.formats.hdf5_snapshot import is_hdf5, read_weights, write_weights
 from purine.formats.prototxt import filter_net, insert_splits, read_net
 from purine.formats.weights import layer_arrays
@@ -681,10 +681,7 @@ class Net:
             views = self.params.get(name)
             if not layer.blobs or views is None:
                 continue
-            try:
-                arrays = [blob_to_array(b) for b in layer.blobs]
-            except ProtoError as e:
-                raise ProtoError(f"{os.fspath(path)}: layer '{name}': {e}") from None
+            arrays = blob_arrays(layer.blobs, f"{os.fspath(path)}: layer '{name}'")
             arrays = layer_arrays(name, arrays, [v.shape for v in views], source="in the file",
                                   where=f"{os.fspath(path)}: ")
             for v, a in zip(views, arrays):

@@ -25,6 +25,14 @@ import numpy as np
 
 from purine.backend import assign, is_device_array, one_blas_thread, to_host
 from purine.caffe.net import TEST, TRAIN, Net, close_all
+from purine.caffe.private_state import (  # PRIVATE_STATE_FIELD: also imported from here
+    PRIVATE_STATE_FIELD,
+    field_where,
+    h5_where,
+    parse_private,
+    private_fields,
+    state_problem,
+)
 from purine.errors import ProtoError, PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import (
@@ -44,16 +52,12 @@ from purine.formats.hdf5_snapshot import (
 )
 from purine.formats.prototxt import parse_text, read_message, read_net
 from purine.formats.upgrade import upgrade_solver
-from purine.formats.wire import len_field, length_fields
+from purine.formats.wire import len_field
 from purine.graph import CPU, Blob, Location, Op, Stateful, kernel
 from purine.log import get_logger
 from purine.ops import solver as so
 from purine.ops import tensor
 from purine.runtime import Dispatcher
-
-# A SolverState field number Caffe does not use: Caffe's reader keeps it as an unknown
-# field and ignores it, so our .solverstate files still load in Caffe.
-PRIVATE_STATE_FIELD = 1001
 
 
 class DivergenceError(PurineError):
@@ -86,25 +90,19 @@ def read_solver(source: str | os.PathLike | pb.SolverParameter) -> pb.SolverPara
 
 def snapshot_seed(path: str | os.PathLike) -> int | None:
     """The random seed a .solverstate of ours was trained with (None for Caffe's), so a
-    run with ``random_seed`` unset can resume with the same random streams."""
-    if os.fspath(path).endswith(".h5"):
-        payloads = [p.encode() for p in [read_private(path)] if p is not None]
-        return _seed_of(payloads)
+    run with ``random_seed`` unset can resume with the same random streams. A private state
+    that breaks its schema is an error naming the file."""
+    path = os.fspath(path)
+    if path.endswith(".h5"):
+        payload = read_private(path)
+        return None if payload is None else parse_private(payload, h5_where(path))["seed"]
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError:
         return None  # restore() reports the file
-    return _seed_of(length_fields(data, PRIVATE_STATE_FIELD))
-
-
-def _seed_of(payloads) -> int | None:
-    for payload in payloads:
-        try:
-            seed = json.loads(payload).get("seed")
-        except (ValueError, AttributeError):
-            return None
-        return int(seed) if seed is not None else None
+    for payload in private_fields(data, path):
+        return parse_private(payload, field_where(path))["seed"]
     return None
 
 
@@ -710,17 +708,37 @@ class Solver:
             objects.update({f"test{i}/{k}": s for k, s in net.builder.stateful.items()})
         return objects
 
-    def _restore_private(self, payload: str | bytes, where: str) -> None:
-        """This project's own state (cursors, random streams) from its JSON text; ``where``
-        names the field or dataset in an error."""
-        try:
-            state = json.loads(payload)
-            objects = self._stateful()
-            for k, v in state.get("stateful", {}).items():
-                if k in objects:
-                    objects[k].restore(v)
-        except (ValueError, AttributeError) as e:
-            raise PurineError(f"{where}: {e}") from None
+    def _private_plan(self, payload: str | bytes, where: str) -> list[tuple[str, Any, dict]]:
+        """(key, object, state) for each entry of a private state that an object of this
+        solver receives, all checked against the schema before any is restored; ``where``
+        names the file and field in an error. Keys no object here has are left out (another
+        run's replicas or test nets), as Caffe leaves out unknown fields."""
+        objects = self._stateful()
+        plan = []
+        for key, value in parse_private(payload, where)["stateful"].items():
+            obj = objects.get(key)
+            if obj is None:
+                continue
+            want = obj.state()
+            # {}: what an object writes when it keeps nothing (a recurrent layer's state in
+            # a net no dispatcher runs); its restore decides what to do with it.
+            problem = state_problem(want, value) if want and value else None
+            if problem:
+                raise PurineError(f"{where}: '{key}': {problem}")
+            plan.append((key, obj, value))
+        return plan
+
+    @staticmethod
+    def _restore_plan(plan: list[tuple[str, Any, dict]], where: str) -> None:
+        """Hand each checked state to its object; a value its restore refuses (a cursor
+        below 0, bytes that are not an array) is an error naming the file and key."""
+        for key, obj, value in plan:
+            try:
+                obj.restore(value)
+            except KeyError as e:
+                raise PurineError(f"{where}: '{key}': the state lacks {e}") from None
+            except (PurineError, ValueError, TypeError, OverflowError, IndexError) as e:
+                raise PurineError(f"{where}: '{key}': refused: {e}") from None
 
     def _restore_history(self, where: str, it: int, learned_net: str, history: Sequence,
                          noun: str, fit: Callable[[int, Any, Blob], np.ndarray]) -> None:
@@ -759,12 +777,17 @@ class Solver:
         path = os.fspath(path)
         state = read_message(path, pb.SolverState())
         with open(path, "rb") as f:
-            for payload in length_fields(f.read(), PRIVATE_STATE_FIELD):
-                self._restore_private(
-                    payload, f"{path}: unreadable purine state field {PRIVATE_STATE_FIELD}")
+            payloads = private_fields(f.read(), path)
+        where = field_where(path)
+        plans = [self._private_plan(payload, where) for payload in payloads]
+        for plan in plans:
+            self._restore_plan(plan, where)
 
         def fit(k: int, blob: pb.BlobProto, h: Blob) -> np.ndarray:
-            a = blob_to_array(blob)  # Caffe's blob may be in the legacy 4-d shape
+            try:
+                a = blob_to_array(blob)  # Caffe's blob may be in the legacy 4-d shape
+            except ProtoError as e:
+                raise ProtoError(f"{path}: history blob {k}: {e}") from None
             if a.size != h.count:
                 raise PurineError(f"{path}: history blob {k} has {a.size} values, "
                                   f"parameter '{h.name}' needs {h.count}")
@@ -777,7 +800,8 @@ class Solver:
         path = os.fspath(path)
         state = read_state(path)
         if state.private is not None:
-            self._restore_private(state.private, f"{path}: unreadable purine state dataset")
+            where = h5_where(path)
+            self._restore_plan(self._private_plan(state.private, where), where)
 
         def fit(k: int, a: np.ndarray, h: Blob) -> np.ndarray:
             if a.shape != h.shape:

@@ -18,6 +18,7 @@ from purine.formats.caffemodel import (
     atomic_write,
     encode_net,
     load_weights,
+    shape_problem,
 )
 from purine.formats.prototxt import read_net
 from purine.formats.weights import fit_shape, legacy_shape_match  # noqa: F401 (summary.py's)
@@ -70,22 +71,55 @@ def read_npz(path: str | os.PathLike) -> dict[tuple[str, int], np.ndarray]:
         raise ConvertError(f"{path}: holds one array (.npy); give an .npz of 'layer/index' "
                            "arrays")
     out: dict[tuple[str, int], np.ndarray] = {}
-    with npz:
+    with npz, zipfile.ZipFile(path) as z:
+        members = set(z.namelist())
         for key in npz.files:
             layer, _, index = key.rpartition("/")
-            if not layer or not index.isdigit():
+            # ASCII digits only: str.isdigit also takes '²', which int() refuses
+            if not layer or not (index.isascii() and index.isdigit() and len(index) < 10):
                 raise ConvertError(f"{path}: key '{key}' is not 'layer/index' (e.g. 'conv1/0' "
                                    "for conv1's weights)")
-            try:
-                a = npz[key]
-            except (ValueError, zipfile.BadZipFile) as e:
-                raise ConvertError(f"{path}: array '{key}' is not a plain array ({e})") from None
-            if not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_) \
-                    or np.iscomplexobj(a):
-                raise ConvertError(f"{path}: array '{key}' has dtype {a.dtype}, not a real "
-                                   "number type")
-            out[(layer, int(index))] = a
+            _check_npy_shape(path, z, key + ".npy" if key + ".npy" in members else key, key)
+            out[(layer, int(index))] = _npz_array(path, npz, key)
     return out
+
+
+def _check_npy_shape(path: str, z: zipfile.ZipFile, member: str, key: str) -> None:
+    """The shape in a member's .npy header, checked before numpy allocates the array it
+    describes (a few bytes may claim terabytes); a member that is not .npy is left to
+    _npz_array, and so is a version 3 header (which numpy has no public reader for)."""
+    readers = {(1, 0): np.lib.format.read_array_header_1_0,
+               (2, 0): np.lib.format.read_array_header_2_0}
+    try:
+        with z.open(member) as f:
+            read = readers.get(np.lib.format.read_magic(f))
+            if read is None:
+                return
+            shape = read(f)[0]
+    except (ValueError, OSError, zipfile.BadZipFile):
+        return  # np.load meets the same and says why
+    problem = shape_problem(shape)
+    if problem:
+        raise ConvertError(f"{path}: array '{key}' {problem}")
+
+
+def _npz_array(path: str, npz: np.lib.npyio.NpzFile, key: str) -> np.ndarray:
+    """Member ``key``: a .npy array (never unpickled) of a real number type and a shape a
+    blob can have."""
+    try:
+        a = npz[key]
+    except (ValueError, OSError, zipfile.BadZipFile) as e:
+        raise ConvertError(f"{path}: array '{key}' is not a plain array ({e})") from None
+    except MemoryError as e:  # its header asks for more than this machine has
+        raise ConvertError(f"{path}: array '{key}' cannot be loaded ({e})") from None
+    if not isinstance(a, np.ndarray):  # a member that is not in .npy format: raw bytes
+        raise ConvertError(f"{path}: member '{key}' is not a .npy array")
+    if not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_) or np.iscomplexobj(a):
+        raise ConvertError(f"{path}: array '{key}' has dtype {a.dtype}, not a real number type")
+    problem = shape_problem(a.shape)
+    if problem:
+        raise ConvertError(f"{path}: array '{key}' {problem}")
+    return a
 
 
 def npz_to_caffemodel(model: str | os.PathLike | pb.NetParameter, src: str | os.PathLike,

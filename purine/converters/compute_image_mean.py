@@ -9,11 +9,13 @@ import os
 import sys
 from collections.abc import Iterator
 
+import cv2
 import numpy as np
 from google.protobuf import message
 
 from purine.converters import ConvertError, flag, run_main
 from purine.data import db as dbs
+from purine.data.datum import check_payload, decode_image, raw_dims
 from purine.data.leveldb_source import message as leveldb_message
 from purine.data.leveldb_source import plyvel_module
 from purine.formats import caffe_pb2 as pb
@@ -25,21 +27,12 @@ BATCH = 256  # raw datums summed per numpy call
 LOG_EVERY = 10000  # Caffe logs "Processed N files." every 10000
 
 
-def _decode(datum: pb.Datum, key: bytes) -> pb.Datum:
+def _decode(datum: pb.Datum, where: str) -> pb.Datum:
     """Caffe's DecodeDatumNative: an encoded datum becomes a raw one, channels as stored."""
-    import cv2
-
-    image = cv2.imdecode(np.frombuffer(datum.data, np.uint8), cv2.IMREAD_UNCHANGED)
-    if image is None:
-        raise ConvertError(f"record {key!r}: cannot decode its encoded image")
-    if image.dtype != np.uint8:
-        raise ConvertError(f"record {key!r}: decoded image is {image.dtype}; image data type "
-                           "must be unsigned byte")
-    if image.ndim == 2:
-        image = image[:, :, None]
-    h, w, c = image.shape
+    image = decode_image(datum.data, cv2.IMREAD_UNCHANGED, where)
+    c, h, w = image.shape
     return pb.Datum(channels=c, height=h, width=w, label=datum.label,
-                    data=np.ascontiguousarray(image.transpose(2, 0, 1)).tobytes())
+                    data=np.ascontiguousarray(image).tobytes())
 
 
 def _records(path: str, backend: str) -> Iterator[tuple[bytes, bytes]]:
@@ -67,6 +60,8 @@ def _records(path: str, backend: str) -> Iterator[tuple[bytes, bytes]]:
     try:
         with env.begin(buffers=False) as txn:
             yield from txn.cursor()
+    except lmdb.Error as e:  # a damaged file found while walking it
+        raise ConvertError(f"{path}: cannot read the lmdb: {e}") from None
     finally:
         env.close()
 
@@ -79,6 +74,8 @@ def _leveldb_records(path: str) -> Iterator[tuple[bytes, bytes]]:
         raise ConvertError(f"{path}: cannot open the leveldb: {leveldb_message(e)}") from None
     try:
         yield from db
+    except plyvel.Error as e:  # a damaged table found while walking it
+        raise ConvertError(f"{path}: cannot read the leveldb: {leveldb_message(e)}") from None
     finally:
         db.close()
 
@@ -118,19 +115,24 @@ def compute_image_mean(db: str | os.PathLike, output: str | os.PathLike | None =
             pending.clear()
 
     for key, datum in _datums(path, backend):
+        where = f"{path}: record {key!r}"
+        check_payload(datum, where)
         if datum.encoded:
             if shape is None:
                 log.info("Decoding Datum")
-            datum = _decode(datum, key)
+            datum = _decode(datum, where)
+        dims = raw_dims(datum, where)
+        n = max(len(datum.data), len(datum.float_data))
         if shape is None:
-            shape = (datum.channels, datum.height, datum.width)
-            size = shape[0] * shape[1] * shape[2]
+            shape, size = dims, dims[0] * dims[1] * dims[2]
+            if n != size:  # before the sums are allocated: the dims may be huge
+                raise ConvertError(f"{where}: incorrect data field size {n} for CxHxW "
+                                   f"{'x'.join(map(str, shape))} = {size}")
             int_sum = np.zeros(size, np.int64)
             float_sum = np.zeros(size, np.float64)
             log.info("Starting Iteration")
-        n = max(len(datum.data), len(datum.float_data))
         if n != size:
-            raise ConvertError(f"{path}: record {key!r}: incorrect data field size {n}; the "
+            raise ConvertError(f"{where}: incorrect data field size {n}; the "
                                f"first datum is {'x'.join(map(str, shape))} (CxHxW) = {size}")
         if datum.data:
             pending.append(datum.data)

@@ -14,9 +14,8 @@ import numpy as np
 
 from purine.converters import flag, run_main
 from purine.converters.caffemodel_npz import layer_type, legacy_shape_match
-from purine.errors import ProtoError
 from purine.formats import caffe_pb2 as pb
-from purine.formats.caffemodel import blob_to_array, read_caffemodel
+from purine.formats.caffemodel import blob_arrays, read_caffemodel
 from purine.formats.prototxt import read_net
 
 _PHASES = {"TRAIN": pb.TRAIN, "TEST": pb.TEST}
@@ -43,10 +42,7 @@ class _FileLayer:
 
     def __init__(self, layer: pb.LayerParameter | pb.V1LayerParameter, path: str):
         self.name, self.type = layer.name, layer_type(layer)
-        try:
-            self.arrays = [blob_to_array(b) for b in layer.blobs]
-        except ProtoError as e:
-            raise ProtoError(f"{path}: layer '{layer.name}': {e}") from None
+        self.arrays = blob_arrays(layer.blobs, f"{path}: layer '{layer.name}'")
         specs = list(layer.param)
         self.share_names = [specs[k].name if k < len(specs) else ""
                             for k in range(len(self.arrays))]

@@ -50,7 +50,15 @@ def chw(img: np.ndarray) -> Image:
 
 
 def decode_image(buf: bytes | np.ndarray, flag: int, where: str) -> Image:
-    img = cv2.imdecode(np.frombuffer(buf, np.uint8), flag)
+    """An encoded image (JPEG, PNG, ...) decoded by OpenCV as (C, H, W) uint8."""
+    if len(buf) == 0:  # OpenCV asserts on an empty buffer instead of failing the decode
+        raise DataError(f"{where}: encoded Datum with no data bytes; expected an image "
+                        "file's bytes (JPEG, PNG, ...)")
+    try:
+        img = cv2.imdecode(np.frombuffer(buf, np.uint8), flag)
+    except cv2.error as e:
+        raise DataError(f"{where}: cannot decode the encoded image ({len(buf)} bytes): "
+                        f"{' '.join(str(e).split())}") from None
     if img is None:
         raise DataError(f"{where}: cannot decode the encoded image ({len(buf)} bytes); "
                         "the record is truncated or not an image OpenCV reads")
@@ -64,13 +72,30 @@ def check_depth(img: np.ndarray, where: str) -> Image:
     return chw(img)
 
 
-def datum_image(d: pb.Datum, flag: int, where: str) -> Image:
-    """The record's pixels as (C, H, W): uint8 for ``data``, float32 for ``float_data``."""
-    if d.encoded:
-        return decode_image(d.data, flag, where)
+def check_payload(d: pb.Datum, where: str) -> None:
+    """What every reader checks before decoding a record: one payload, ``data`` (bytes, or
+    an encoded image) or ``float_data``, not both."""
+    if d.data and d.float_data:
+        raise DataError(f"{where}: Datum holds both data ({len(d.data)} bytes) and float_data "
+                        f"({len(d.float_data)} values); expected one of them")
+
+
+def raw_dims(d: pb.Datum, where: str) -> tuple[int, int, int]:
+    """The channels, height and width of a raw Datum, each 1 or more (int32 fields: their
+    product, a Python integer, cannot wrap)."""
     shape = (d.channels, d.height, d.width)
     if min(shape) <= 0:
-        raise DataError(f"{where}: raw Datum with channels, height, width = {shape}")
+        raise DataError(f"{where}: raw Datum with channels, height, width = {shape}; each "
+                        "must be 1 or more")
+    return shape
+
+
+def datum_image(d: pb.Datum, flag: int, where: str) -> Image:
+    """The record's pixels as (C, H, W): uint8 for ``data``, float32 for ``float_data``."""
+    check_payload(d, where)
+    if d.encoded:
+        return decode_image(d.data, flag, where)
+    shape = raw_dims(d, where)
     n = shape[0] * shape[1] * shape[2]
     if d.data:
         if len(d.data) != n:
@@ -87,9 +112,13 @@ def read_mean(path: str | os.PathLike) -> np.ndarray:
     """A mean file (.binaryproto BlobProto, as compute_image_mean writes) as (C, H, W)."""
     path = os.fspath(path)
     try:
-        mean = blob_to_array(read_binary(path, pb.BlobProto()))
-    except ProtoError as e:
+        blob = read_binary(path, pb.BlobProto())
+    except ProtoError as e:  # names the file already
         raise DataError(f"mean file {e}") from None
+    try:
+        mean = blob_to_array(blob)
+    except ProtoError as e:
+        raise DataError(f"mean file '{path}': {e}") from None
     if mean.ndim == 4 and mean.shape[0] == 1:
         mean = mean[0]
     if mean.ndim != 3:

@@ -75,5 +75,8 @@ class MemoryFeed:
         return {"pos": self.pos, "added": self.added}
 
     def restore(self, state: dict) -> None:
-        self.pos = int(state["pos"])
-        self.added = int(state.get("added", 0))
+        pos, added = int(state["pos"]), int(state.get("added", 0))
+        if pos < 0 or added < 0:  # a draw count or a row: never negative
+            raise DataError(f"MemoryData layer '{self.name}': pos {pos} and added {added}; "
+                            "both are 0 or more")
+        self.pos, self.added = pos, added

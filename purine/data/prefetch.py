@@ -102,8 +102,11 @@ class Prefetcher:
 
     def restore(self, state: dict) -> None:
         """Continue at batch ``state["batch"]``: prefetched batches are discarded."""
+        batch = int(state["batch"])
+        if batch < 0:  # batch numbers seed the transforms' random draws, which need k >= 0
+            raise DataError(f"{self.name}: batch {batch}; a data cursor is 0 or more")
         self.stop()
-        self.position = int(state["batch"])
+        self.position = batch
 
     # -- consuming -------------------------------------------------------------------
     def next(self) -> Batch:

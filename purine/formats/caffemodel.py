@@ -7,6 +7,7 @@ Files are written to a temporary name and renamed, so a crash never leaves half 
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -19,21 +20,73 @@ from purine.formats import caffe_pb2 as pb
 from purine.formats.prototxt import read_binary
 from purine.formats.wire import len_field, varint
 
+# Caffe's kMaxBlobAxes: its Blob::Reshape refuses more axes.
+MAX_BLOB_AXES = 32
+# The most values a blob read from a file may have. Protobuf caps a message at 2 GiB, so a
+# BlobProto holds at most 2**31 values and no readable blob comes near this; the cap keeps
+# the count, and the count times 8 bytes, far inside int64, where numpy's sizes and a
+# product of int64 dims computed in C would wrap.
+MAX_BLOB_COUNT = 2**40
 
-def blob_to_array(blob: pb.BlobProto) -> np.ndarray:
-    """The array of a BlobProto: ``shape`` if set, else legacy num/channels/height/width."""
+
+def shape_problem(shape: Sequence[int], count: int | None = None) -> str | None:
+    """Why ``shape`` cannot be a blob's (holding ``count`` values, when given), or None:
+    at most MAX_BLOB_AXES axes, every dim 0 or more, and their product (Python integers,
+    which never wrap) at most MAX_BLOB_COUNT and equal to ``count``."""
+    if len(shape) > MAX_BLOB_AXES:
+        return f"has {len(shape)} axes; a blob has at most {MAX_BLOB_AXES}"
+    shape = tuple(int(d) for d in shape)
+    for i, d in enumerate(shape):
+        if d < 0:
+            return f"of shape {shape} has dimension {i} = {d}; dimensions are 0 or more"
+    n = math.prod(shape)
+    if n > MAX_BLOB_COUNT:
+        return f"of shape {shape} has {n} values, more than the {MAX_BLOB_COUNT} a blob may hold"
+    if count is not None and n != count:
+        return f"of shape {shape} holds {count} values"
+    return None
+
+
+def blob_shape(blob: pb.BlobProto) -> tuple[int, ...]:
+    """A BlobProto's checked shape: ``shape`` if set, else the legacy num/channels/height/
+    width, else one axis of its values; ``data`` and ``double_data`` (the one Caffe's
+    double nets write) may not both hold values, unless as many."""
+    n, nd = len(blob.data), len(blob.double_data)
+    if n and nd and n != nd:
+        raise ProtoError(f"BlobProto holds {n} data and {nd} double_data values; expected "
+                         "one of the two")
+    count = nd or n
     if blob.HasField("shape"):
         shape = tuple(blob.shape.dim)
     elif blob.HasField("num") or blob.HasField("channels") or blob.HasField("height") \
             or blob.HasField("width"):
         shape = (blob.num, blob.channels, blob.height, blob.width)
     else:
-        shape = (len(blob.data) or len(blob.double_data),)
+        shape = (count,)
+    problem = shape_problem(shape, count)
+    if problem:
+        raise ProtoError(f"BlobProto {problem}")
+    return shape
+
+
+def blob_to_array(blob: pb.BlobProto) -> np.ndarray:
+    """The float32 array of a BlobProto, shaped by ``blob_shape``; a blob that breaks its
+    rules is a ProtoError, which callers prefix with the file (and layer or index)."""
+    shape = blob_shape(blob)
     values = blob.double_data if len(blob.double_data) else blob.data
-    a = np.array(values, dtype=np.float32)
-    if a.size != int(np.prod(shape)):
-        raise ProtoError(f"BlobProto of shape {shape} holds {a.size} values")
-    return a.reshape(shape)
+    return np.array(values, dtype=np.float32).reshape(shape)
+
+
+def blob_arrays(blobs: Iterable[pb.BlobProto], where: str) -> list[np.ndarray]:
+    """``blob_to_array`` of each blob; an error names ``where`` (the file and layer) and
+    the blob's index."""
+    out = []
+    for k, blob in enumerate(blobs):
+        try:
+            out.append(blob_to_array(blob))
+        except ProtoError as e:
+            raise ProtoError(f"{where} blob {k}: {e}") from None
+    return out
 
 
 def array_to_blob(a: np.ndarray) -> pb.BlobProto:
@@ -58,10 +111,8 @@ def load_weights(path: str | os.PathLike) -> dict[str, list[np.ndarray]]:
     out: dict[str, list[np.ndarray]] = {}
     for layer in list(net.layer) + list(net.layers):
         if layer.blobs:
-            try:
-                out[layer.name] = [blob_to_array(b) for b in layer.blobs]
-            except ProtoError as e:
-                raise ProtoError(f"{os.fspath(path)}: layer '{layer.name}': {e}") from None
+            out[layer.name] = blob_arrays(layer.blobs, f"{os.fspath(path)}: layer "
+                                                       f"'{layer.name}'")
     return out
 
 

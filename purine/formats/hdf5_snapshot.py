@@ -13,7 +13,7 @@ from types import ModuleType
 import numpy as np
 
 from purine.errors import ProtoError, PurineError
-from purine.formats.caffemodel import atomic_file
+from purine.formats.caffemodel import atomic_file, shape_problem
 
 INSTALL_HINT = "pip install purine-caffe[hdf5]"
 # A dataset Caffe's reader never opens: the run-time state Caffe's SolverState has no place
@@ -68,13 +68,37 @@ def _save_string(h5py: ModuleType, group, name: str, text: str) -> None:
     ds.write(h5py.h5s.ALL, h5py.h5s.ALL, np.array(raw, dtype=f"S{len(raw) + 1}"), mtype=tid)
 
 
+def _dataset(path: str, group, name: str):
+    """Dataset ``name`` of ``group``: a group, a dangling link or anything else there is an
+    error naming it."""
+    import h5py
+
+    obj = group.get(name)  # None for a missing or dangling link, where group[name] raises
+    if not isinstance(obj, h5py.Dataset):
+        what = ("missing (a dangling link)" if obj is None else
+                "a group" if isinstance(obj, h5py.Group) else f"a {type(obj).__name__}")
+        raise ProtoError(f"{path}: '{_full_name(group, name)}' is {what}; expected a dataset")
+    return obj
+
+
+def _full_name(group, name: str) -> str:
+    return f"{group.name.rstrip('/')}/{name}".lstrip("/")
+
+
 def _load_string(path: str, f, name: str) -> str:
-    value = f[name][()]
+    ds = _dataset(path, f, name)
+    if ds.size != 1:  # None for a null dataspace
+        raise ProtoError(f"{path}: dataset '{name}' holds {ds.size or 0} values; expected one "
+                         "string")
+    value = ds[()]
     if isinstance(value, np.ndarray):  # a 1-element array instead of a scalar
-        value = value.reshape(-1)[0] if value.size == 1 else None
+        value = value.reshape(-1)[0]
     if not isinstance(value, bytes | str):
         raise ProtoError(f"{path}: dataset '{name}' is not a string")
-    return value.decode() if isinstance(value, bytes) else value
+    try:
+        return value.decode() if isinstance(value, bytes) else value
+    except UnicodeDecodeError:
+        raise ProtoError(f"{path}: dataset '{name}' is not UTF-8 text") from None
 
 
 def _save_int(group, name: str, value: int) -> None:
@@ -83,13 +107,19 @@ def _save_int(group, name: str, value: int) -> None:
 
 
 def _load_int(path: str, f, name: str) -> int:
+    """A 1-element integer dataset (a float one holding a whole number also does), within
+    int32, the type of Caffe's hdf5_load_int and of SolverState's fields."""
     if name not in f:
         raise ProtoError(f"{path}: no dataset '{name}'; is it a Caffe .solverstate.h5?")
-    a = np.asarray(f[name][()])
-    if a.size != 1 or a.dtype.kind not in "iuf":
+    ds = _dataset(path, f, name)
+    if ds.size != 1 or ds.dtype.kind not in "iuf":  # checked before the values are read
         raise ProtoError(f"{path}: dataset '{name}' should hold one integer, found "
-                         f"{a.dtype} of shape {a.shape}")
-    return int(a.reshape(-1)[0])
+                         f"{ds.dtype} of shape {ds.shape}")
+    v = np.asarray(ds[()]).reshape(-1)[0]
+    if not (np.isfinite(v) and v == int(v) and -2**31 <= int(v) < 2**31):
+        raise ProtoError(f"{path}: dataset '{name}' holds {v}; expected an integer in the "
+                         "32-bit range")
+    return int(v)
 
 
 def _float_array(a: np.ndarray) -> np.ndarray:
@@ -103,10 +133,19 @@ def _float_array(a: np.ndarray) -> np.ndarray:
 def _load_array(path: str, ds) -> np.ndarray:
     """A dataset in the precision it was written in (integer classes, which Caffe's reader
     also accepts, as float64): assigning it to a blob converts it to the blob's dtype, as
-    Caffe's reader converts to its net's."""
+    Caffe's reader converts to its net's. Type and shape are checked before any value is
+    read, by the rules of the BlobProto reader (shape_problem)."""
     if ds.dtype.kind not in "iuf":
         raise ProtoError(f"{path}: dataset '{ds.name}' holds {ds.dtype}; expected numbers")
-    a = np.asarray(ds[()])
+    if ds.shape is None:  # h5py's Empty: a null dataspace, no values at all
+        raise ProtoError(f"{path}: dataset '{ds.name}' has a null dataspace; expected an array")
+    problem = shape_problem(ds.shape)
+    if problem:
+        raise ProtoError(f"{path}: dataset '{ds.name}' {problem}")
+    try:
+        a = np.asarray(ds[()])
+    except (OSError, MemoryError) as e:  # damaged storage, or more than this machine has
+        raise ProtoError(f"{path}: dataset '{ds.name}' cannot be read: {e}") from None
     return a if a.dtype.kind == "f" else a.astype(np.float64)
 
 
@@ -117,7 +156,7 @@ def _open_caffe_file(h5py: ModuleType, path: str, group: str, kind: str):
         f = h5py.File(path, "r")
     except OSError as e:
         raise ProtoError(f"{path}: cannot read as HDF5: {e}") from None
-    if group not in f or not isinstance(f[group], h5py.Group):
+    if not isinstance(f.get(group), h5py.Group):
         f.close()
         raise ProtoError(f"{path}: no group '{group}'; is it a Caffe {kind}?")
     return f
@@ -145,10 +184,12 @@ def read_weights(path: str | os.PathLike) -> dict[str, dict[str, np.ndarray]]:
     h5py = h5py_module(f"reading {path}")
     with _open_caffe_file(h5py, path, "data", ".caffemodel.h5") as f:
         out: dict[str, dict[str, np.ndarray]] = {}
-        for name, group in f["data"].items():
+        data = f["data"]
+        for name in data:
+            group = data.get(name)
             if not isinstance(group, h5py.Group):
                 raise ProtoError(f"{path}: data/{name} is not a layer group")
-            out[name] = {k: _load_array(path, ds) for k, ds in group.items()}
+            out[name] = {k: _load_array(path, _dataset(path, group, k)) for k in group}
         return out
 
 
@@ -190,7 +231,7 @@ def read_state(path: str | os.PathLike) -> SolverStateH5:
             iter=_load_int(path, f, "iter"),
             learned_net=_load_string(path, f, "learned_net") if "learned_net" in f else None,
             current_step=_load_int(path, f, "current_step"),
-            history=[_load_array(path, group[k]) for k in names],
+            history=[_load_array(path, _dataset(path, group, k)) for k in names],
             private=(_load_string(path, f, PRIVATE_DATASET) if PRIVATE_DATASET in f
                      else None))
 

@@ -5,6 +5,7 @@ kernel reads the loss's diff (the loss weight) and overwrites the bottom's diff.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ def _split(x: Array, axis: int) -> Array:
     outer = 1
     for d in x.shape[:axis]:
         outer *= d
-    return x.reshape(outer, x.shape[axis], -1)
+    return x.reshape(outer, x.shape[axis], math.prod(x.shape[axis + 1:]))  # -1: not if empty
 
 
 def _class_labels(xp: Any, label: Array, outer: int, classes: int, inner: int,

@@ -11,6 +11,7 @@ arithmetic in the same order); WITHIN_CHANNEL runs the array code below on cupy.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from purine.backend import cuda, device_variant, get_array_module
@@ -66,8 +67,8 @@ def _window_sum(xp: Any, a: Array, out: Array, *, size: int, within: bool) -> No
     if within:
         _box_sum(xp, a, size, out)
     else:
-        _channel_window_sum(xp, a.reshape(a.shape[0], a.shape[1], -1), size,
-                            out.reshape(a.shape[0], a.shape[1], -1))
+        planes = a.shape[:2] + (math.prod(a.shape[2:]),)  # -1 cannot size an empty batch
+        _channel_window_sum(xp, a.reshape(planes), size, out.reshape(planes))
 
 
 def _norm(size: int, within: bool) -> int:

@@ -9,10 +9,12 @@ from collections.abc import Mapping, Sequence
 
 import cv2
 import numpy as np
+from google.protobuf.message import DecodeError
 
-from purine.errors import PurineError
+from purine.data import DataError
+from purine.errors import ProtoError, PurineError
 from purine.formats import caffe_pb2
-from purine.formats.caffemodel import array_to_blob
+from purine.formats.caffemodel import array_to_blob, shape_problem
 
 __all__ = [
     "Transformer", "array_to_blobproto", "array_to_datum", "arraylist_to_blobprotovector_str",
@@ -27,12 +29,18 @@ _GRAY = np.array([0.2125, 0.7154, 0.0721])
 # -- proto / datum / ndarray conversion -----------------------------------------------------
 def blobproto_to_array(blob: caffe_pb2.BlobProto, return_diff: bool = False) -> np.ndarray:
     """The blob's data (or diff) as a float64 array, shaped by the legacy num/channels/
-    height/width when any of them is set, else by ``shape``."""
-    values = np.array(blob.diff if return_diff else blob.data, dtype=np.float64)
+    height/width when any of them is set, else by ``shape`` (pycaffe's order). A shape
+    that cannot hold the values is a ProtoError, by the rules of the caffemodel reader."""
+    values = blob.diff if return_diff else blob.data
     if (blob.HasField("num") or blob.HasField("channels") or blob.HasField("height")
             or blob.HasField("width")):
-        return values.reshape(blob.num, blob.channels, blob.height, blob.width)
-    return values.reshape(tuple(blob.shape.dim))
+        shape: tuple[int, ...] = (blob.num, blob.channels, blob.height, blob.width)
+    else:
+        shape = tuple(blob.shape.dim)
+    problem = shape_problem(shape, len(values))
+    if problem:
+        raise ProtoError(f"BlobProto {'diff' if return_diff else 'data'} {problem}")
+    return np.array(values, dtype=np.float64).reshape(shape)
 
 
 def array_to_blobproto(arr: np.ndarray, diff: np.ndarray | None = None
@@ -53,8 +61,17 @@ def arraylist_to_blobprotovector_str(arraylist: Sequence[np.ndarray]) -> bytes:
 
 def blobprotovector_str_to_arraylist(s: bytes) -> list[np.ndarray]:
     vec = caffe_pb2.BlobProtoVector()
-    vec.ParseFromString(s)
-    return [blobproto_to_array(b) for b in vec.blobs]
+    try:
+        vec.ParseFromString(s)
+    except DecodeError as e:
+        raise ProtoError(f"not a serialized BlobProtoVector ({len(s)} bytes: {e})") from None
+    out = []
+    for k, blob in enumerate(vec.blobs):
+        try:
+            out.append(blobproto_to_array(blob))
+        except ProtoError as e:
+            raise ProtoError(f"BlobProtoVector blob {k}: {e}") from None
+    return out
 
 
 def array_to_datum(arr: np.ndarray, label: int | None = None) -> caffe_pb2.Datum:
@@ -79,6 +96,10 @@ def datum_to_array(datum: caffe_pb2.Datum) -> np.ndarray:
     """The (C, H, W) array of a raw Datum: uint8 from ``data``, float64 from
     ``float_data``; the label stays in ``datum.label``."""
     shape = (datum.channels, datum.height, datum.width)
+    values = datum.data if len(datum.data) else datum.float_data
+    problem = shape_problem(shape, len(values))
+    if problem:
+        raise DataError(f"Datum {problem}")
     if len(datum.data):
         return np.frombuffer(datum.data, dtype=np.uint8).reshape(shape).copy()
     return np.array(datum.float_data, dtype=np.float64).reshape(shape)

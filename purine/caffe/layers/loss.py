@@ -213,9 +213,12 @@ def _infogain_source(L: LayerBuild, classes: int, axis: int) -> np.ndarray:
                       "\"H.binaryproto\" } or give H as a third bottom")
     try:
         blob = read_binary(p.source, pb.BlobProto(), ".binaryproto (BlobProto)")
+    except ProtoError as e:  # names the file
+        raise L.error(f"infogain matrix: {e}") from None
+    try:
         h = blob_to_array(blob)
     except ProtoError as e:
-        raise L.error(f"infogain matrix: {e}") from None
+        raise L.error(f"infogain matrix '{p.source}': {e}") from None
     if len(blob.double_data):  # kept in double, as Caffe's double nets read it
         h = np.asarray(blob.double_data, dtype=np.float64).reshape(h.shape)
     if h.size != classes * classes:

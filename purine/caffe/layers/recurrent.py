@@ -48,7 +48,10 @@ class CarriedState:
         shape = tuple(int(d) for d in state["shape"])
         if shape != self.blob.shape:
             return  # the net was reshaped (another batch size): it starts from zeros anew
-        a = np.frombuffer(base64.b64decode(state["data"]), dtype=np.dtype(state["dtype"]))
+        dtype = np.dtype(state["dtype"])
+        if dtype.kind != "f":  # what state() writes; another kind cannot be a net's blob
+            raise ValueError(f"dtype '{state['dtype']}' is not a floating-point type")
+        a = np.frombuffer(base64.b64decode(state["data"], validate=True), dtype=dtype)
         assign(self.net.storage(self.blob), a.reshape(shape))
 
 
