@@ -333,3 +333,18 @@ def test_a_random_stream_refuses_a_negative_draw_count():
         s.restore({"count": -1})
     s.restore({"count": 2})
     assert s.state() == {"count": 2}
+
+
+# -- a kill during a snapshot: its temporary file goes at the next start -------------------
+def test_stale_snapshot_temporaries_of_our_prefix_are_removed_at_start(tmp_path):
+    log, lines = logger()
+    stale = ["s_iter_10.caffemodel.ab_3x.tmp", "s_iter_10.solverstate.Zq9k1.tmp",
+             "s_iter_4.caffemodel.h5.k2j.tmp"]
+    kept = ["s_iter_10.caffemodel", "other_iter_10.caffemodel.ab3.tmp", "s_iter_x.caffemodel.a.tmp",
+            "notes.tmp", "s_iter_10.caffemodel.a.b.tmp"]
+    for name in stale + kept:
+        (tmp_path / name).write_bytes(b"x")
+    Solver(solver_text(snapshot=5, snapshot_prefix=f'"{tmp_path}/s"'), log=log)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+    assert [x for x in lines.lines if x.startswith("Removed")] == [
+        f"Removed {tmp_path / n}, left by a snapshot that was interrupted" for n in sorted(stale)]

@@ -41,6 +41,7 @@ from purine.formats.caffemodel import (
     blob_chunks,
     blob_to_array,
     nested_field,
+    stale_temporaries,
 )
 from purine.formats.hdf5_snapshot import (
     INSTALL_HINT,
@@ -300,6 +301,12 @@ class Solver:
                                f"'{folder}' ({e.strerror}); give a writable directory") from None
         os.close(fd)
         os.unlink(probe)
+        for stale in stale_temporaries(prefix):
+            try:
+                os.unlink(stale)
+            except OSError:
+                continue  # another process's, or gone already: nothing of ours is lost
+            self.log.info("Removed %s, left by a snapshot that was interrupted", stale)
 
     def _check_regularization(self) -> None:
         """Caffe's Regularize fails at the first update when a decay applies and the type is

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -186,6 +187,20 @@ def atomic_file(path: str | os.PathLike) -> Iterator[str]:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def stale_temporaries(prefix: str) -> list[str]:
+    """The temporary files ``atomic_file`` leaves when a process is killed while writing a
+    snapshot of ``prefix`` (``<prefix>_iter_<N>.<suffix>.<random>.tmp``); nothing else
+    matches, so a start may remove them."""
+    folder, base = os.path.split(prefix)
+    pattern = re.compile(re.escape(base) + r"_iter_\d+\.(caffemodel|solverstate)(\.h5)?"
+                         r"\.[A-Za-z0-9_]+\.tmp")
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return []
+    return sorted(os.path.join(folder, n) for n in names if pattern.fullmatch(n))
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | Iterable[bytes | memoryview]) -> None:
