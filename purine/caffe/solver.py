@@ -75,17 +75,19 @@ def read_solver(source: str | os.PathLike | pb.SolverParameter) -> pb.SolverPara
         param = parse_text(source, pb.SolverParameter())
     else:
         param = read_message(source, pb.SolverParameter())
-    param = upgrade_solver(param)
+    where = "solver " + (os.fspath(source) if isinstance(source, str | os.PathLike)
+                         and "\n" not in os.fspath(source) else "(prototxt text)")
+    param = upgrade_solver(param, where)
     if param.type not in so.SOLVERS:
-        raise ProtoError(f"solver: unknown type '{param.type}'; expected one of "
+        raise ProtoError(f"{where}: unknown type '{param.type}'; expected one of "
                          + ", ".join(so.SOLVERS))
     if param.iter_size < 1:
-        raise ProtoError(f"solver: iter_size must be at least 1, got {param.iter_size}")
+        raise ProtoError(f"{where}: iter_size must be at least 1, got {param.iter_size}")
     if param.type in ("AdaGrad", "RMSProp") and param.momentum != 0:
-        raise ProtoError(f"solver: momentum cannot be used with {param.type} (Caffe refuses "
+        raise ProtoError(f"{where}: momentum cannot be used with {param.type} (Caffe refuses "
                          f"it too); remove momentum: {param.momentum:g}")
     if param.type == "RMSProp" and not 0 <= param.rms_decay < 1:
-        raise ProtoError(f"solver: rms_decay must be in [0, 1), got {param.rms_decay:g}")
+        raise ProtoError(f"{where}: rms_decay must be in [0, 1), got {param.rms_decay:g}")
     return param
 
 

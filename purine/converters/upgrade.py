@@ -62,7 +62,7 @@ def upgrade_solver_proto_text(src: str | os.PathLike, dst: str | os.PathLike) ->
     param = read_text(src, pb.SolverParameter())
     needed = up.solver_needs_upgrade(param)
     if needed:
-        param = up.upgrade_solver(param)
+        param = up.upgrade_solver(param, f"solver {src}")
     else:
         get_logger().error("File already in latest proto format: %s", src)
     atomic_write(dst, text_format.MessageToString(param).encode())

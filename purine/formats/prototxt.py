@@ -26,21 +26,24 @@ def parse_text(text: str, msg: M, filename: str = "<string>") -> M:
         where = f"{filename}:{line}:{col}" if line else filename
         reason = str(e).split(" : ", 1)[-1]
         raise ProtoError(f"{where}: {reason}") from None
-    refuse_nul(msg, filename)
+    check_strings(msg, filename)
     return msg
 
 
-def refuse_nul(msg: message.Message, filename: str, prefix: str = "") -> None:
-    """A string field holding a NUL character is refused, naming the field: every path and
-    name Caffe reads is a C string, which ends at the first NUL."""
+def check_strings(msg: message.Message, filename: str, prefix: str = "") -> None:
+    """Refuse a string field that holds a NUL character (every path and name Caffe reads is
+    a C string, which ends at the first NUL) or, in a binary file, bytes that are not UTF-8
+    (protobuf hands those back as bytes); the error names the field."""
     for fd, value in msg.ListFields():
         if fd.type not in (fd.TYPE_MESSAGE, fd.TYPE_STRING):
             continue
-        single = isinstance(value, str | message.Message)
+        single = isinstance(value, str | bytes | message.Message)
         for i, v in enumerate([value] if single else value):
             where = prefix + fd.name + ("" if single else f"[{i}]")
             if fd.type == fd.TYPE_MESSAGE:
-                refuse_nul(v, filename, where + ".")
+                check_strings(v, filename, where + ".")
+            elif isinstance(v, bytes):
+                raise ProtoError(f"{filename}: field {where} is not UTF-8 text ({v[:40]!r})")
             elif "\0" in v:
                 raise ProtoError(f"{filename}: field {where} holds a NUL character ({v!r}); "
                                  "paths and names cannot contain one")
@@ -65,7 +68,7 @@ def read_binary(path: str | os.PathLike, msg: M, what: str = "") -> M:
         msg.ParseFromString(_read_bytes(path))
     except message.DecodeError as e:
         raise ProtoError(f"{path}: not a binary {what or msg.DESCRIPTOR.name} ({e})") from None
-    refuse_nul(msg, path)
+    check_strings(msg, path)
     return msg
 
 
@@ -99,6 +102,14 @@ def read_net(source: str | os.PathLike | pb.NetParameter) -> pb.NetParameter:
         net = parse_text(source, pb.NetParameter(), "<string>")
     else:
         net = read_message(source, pb.NetParameter())
+        try:
+            return _upgrade(net)
+        except ProtoError as e:  # the upgrade names the net, not its file
+            raise ProtoError(f"{os.fspath(source)}: {e}") from None
+    return _upgrade(net)
+
+
+def _upgrade(net: pb.NetParameter) -> pb.NetParameter:
     if net_needs_upgrade(net):
         net = upgrade_net(net)
     return upgrade_net_input(net)

@@ -386,16 +386,17 @@ def solver_needs_upgrade(param: pb.SolverParameter) -> bool:
     return param.HasField("solver_type")
 
 
-def upgrade_solver(param: pb.SolverParameter) -> pb.SolverParameter:
+def upgrade_solver(param: pb.SolverParameter, where: str = "solver") -> pb.SolverParameter:
     """A copy of ``param`` with the deprecated ``solver_type`` enum as the ``type`` string
-    (Caffe's UpgradeSolverType); giving both fields is an error, as in Caffe."""
+    (Caffe's UpgradeSolverType); giving both fields is an error, as in Caffe, that starts
+    with ``where`` (the file)."""
     out = pb.SolverParameter()
     out.CopyFrom(param)
     if not out.HasField("solver_type"):
         return out
     if out.HasField("type"):
         old = pb.SolverParameter.SolverType.Name(out.solver_type)
-        raise ProtoError(f"solver: both the old solver_type field ({old}) and the new type "
+        raise ProtoError(f"{where}: both the old solver_type field ({old}) and the new type "
                          f"field ('{out.type}') are given; keep only type")
     out.type = SOLVER_TYPE_NAMES[out.solver_type]
     out.ClearField("solver_type")

@@ -825,6 +825,6 @@ def test_converter_errors_name_the_file(tmp_path, capsys):
     both = tmp_path / "both.prototxt"
     both.write_text('type: "SGD" solver_type: ADAM')
     assert tools.main(["upgrade_solver_proto_text", str(both), str(tmp_path / "o")]) == 1
-    assert "solver: both the old solver_type field (ADAM)" in capsys.readouterr().err
+    assert f"solver {both}: both the old solver_type field (ADAM)" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
     assert tools.main(["upgrade_net_proto_text", str(bad)]) == 2  # usage: argparse says why

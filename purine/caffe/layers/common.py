@@ -6,8 +6,9 @@ import math
 
 import numpy as np
 
-from purine.caffe.fillers import fill
+from purine.caffe.fillers import check_filler, fill
 from purine.caffe.layer import LayerBuild, register
+from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.ops import inner_product as ip
 from purine.ops import tensor
@@ -58,6 +59,10 @@ def dummy_data(L: LayerBuild):
             value = np.float32(f.value)
             L.forward(tensor.fill, [], [top], value=value)
         else:  # refilled at every forward, as Caffe does for non-constant fillers
+            try:
+                check_filler(f, shape, f"data_filler {i if len(fillers) > 1 else 0}")
+            except PurineError as e:
+                raise L.error(str(e)) from None
             stream = L.random_stream()
             L.forward(tensor.fill_random, [], [top],
                       draw=lambda s=shape, f=f, r=stream: fill(f, s, r.next(), L.name))

@@ -84,6 +84,8 @@ def _conv_setup(L: LayerBuild, deconv: bool) -> tuple[conv.ConvGeometry, tuple[i
     channels, n = x.shape[axis], p.num_output
     if n <= 0:
         raise L.error("convolution_param.num_output must be positive")
+    if channels == 0:  # a (num_output, 0, kh, kw) weight: nothing to convolve
+        raise L.error(f"bottom '{x.name}' {x.shape} has no channels along axis {axis}")
     if p.group < 1 or channels % p.group or n % p.group:
         raise L.error(f"group {p.group} must divide the bottom's {channels} channels "
                       f"('{x.name}' {x.shape}) and num_output {n}")
