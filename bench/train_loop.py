@@ -1,0 +1,157 @@
+"""Images per second of whole training iterations (data layer, forward, backward, SGD with
+momentum), purine-caffe beside a plain PyTorch training loop, in the same run.
+
+    python bench/train_loop.py [--iterations N] [--nets lenet,cifar10_quick] [--records N]
+
+purine-caffe trains the model zoo's TRAIN net from its solver settings (SGD, momentum 0.9,
+the zoo's lr, weight decay and batch) with its Data layer reading a temporary LMDB of raw
+Datums that this script writes (LeNet: 28x28 gray, scale 1/256; CIFAR-10 quick: 32x32 color,
+no mean file), through ``Solver.step`` in-process, as ``purine-caffe train`` runs it. PyTorch
+runs the same layers (bench/cpu_nets.py's transcription) over the same images held in memory
+as float tensors, with ``torch.optim.SGD(momentum=0.9, weight_decay=...)``: it pays no
+decoding, which is PyTorch's best case. Each (framework, net) pair runs in a fresh subprocess
+for its own peak resident memory; the rate is the median of the timed iterations after 3
+warm-up iterations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cpu_nets import NETS, rss_mb, torch_model, train_net_param  # noqa: E402
+
+# net: (channels, size, transform_param text, lr, weight decay)
+SETTINGS = {
+    "lenet": (1, 28, "scale: 0.00390625", 0.01, 0.0005),
+    "cifar10_quick": (3, 32, "", 0.001, 0.004),
+}
+WARMUP = 3
+
+
+def images(name: str, n: int):
+    import numpy as np
+
+    channels, size = SETTINGS[name][:2]
+    rng = np.random.default_rng(0)
+    return (rng.integers(0, 256, (n, channels, size, size), dtype=np.uint8),
+            rng.integers(0, 10, n))
+
+
+def write_lmdb(name: str, path: str, n: int) -> None:
+    import lmdb
+
+    from purine.formats import caffe_pb2 as pb
+
+    x, y = images(name, n)
+    env = lmdb.open(path, map_size=1 << 32)
+    with env.begin(write=True) as txn:
+        for i in range(n):
+            d = pb.Datum(channels=x.shape[1], height=x.shape[2], width=x.shape[3],
+                         data=x[i].tobytes(), label=int(y[i]))
+            txn.put(f"{i:08d}".encode(), d.SerializeToString())
+    env.close()
+
+
+def run_purine(name: str, iterations: int, records: int) -> dict:
+    from purine.caffe.solver import Solver
+    from purine.formats import caffe_pb2 as pb
+
+    channels, size, transform, lr, decay = SETTINGS[name]
+    batch = NETS[name][1][0]
+    with tempfile.TemporaryDirectory() as tmp:
+        db = os.path.join(tmp, "train_lmdb")
+        write_lmdb(name, db, records)
+        net = train_net_param(name)  # Input stand-ins; the data layer goes back in below
+        data = pb.LayerParameter()
+        from google.protobuf import text_format
+
+        text_format.Merge(f'name: "data" type: "Data" top: "data" top: "label" '
+                          f'transform_param {{ {transform} }} data_param {{ source: "{db}" '
+                          f'backend: LMDB batch_size: {batch} }}', data)
+        net.layer[0].CopyFrom(data)
+        param = pb.SolverParameter(base_lr=lr, momentum=0.9, weight_decay=decay,
+                                   lr_policy="fixed", max_iter=iterations + WARMUP,
+                                   random_seed=1, display=0, snapshot_after_train=False)
+        param.net_param.CopyFrom(net)
+        base = rss_mb()
+        with Solver(param) as solver:
+            solver.step(WARMUP)
+            times = []
+            for _ in range(iterations):
+                t0 = time.perf_counter()
+                solver.step(1)
+                times.append(time.perf_counter() - t0)
+        return {"img_s": batch / statistics.median(times), "peak_mb": rss_mb() - base}
+
+
+def run_torch(name: str, iterations: int, records: int) -> dict:
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    _, _, transform, lr, decay = SETTINGS[name]
+    batch = NETS[name][1][0]
+    x, y = images(name, records)
+    scale = 0.00390625 if "scale" in transform else 1.0
+    base = rss_mb()
+    data = torch.from_numpy(x.astype("float32") * scale)
+    label = torch.from_numpy(y.astype("float32"))
+    layers, weights = torch_model(name)
+    opt = torch.optim.SGD(weights, lr=lr, momentum=0.9, weight_decay=decay)
+    times = []
+    for i in range(iterations + WARMUP):
+        t0 = time.perf_counter()
+        lo = (i * batch) % (records - batch + 1)
+        blobs = {"data": data[lo:lo + batch], "label": label[lo:lo + batch]}
+        for top, b, fn in layers:
+            blobs[top] = fn(*(blobs[n] for n in b)) if isinstance(b, tuple) else fn(blobs[b])
+        opt.zero_grad(set_to_none=True)
+        blobs[layers[-1][0]].backward()
+        opt.step()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    return {"img_s": batch / statistics.median(times), "peak_mb": rss_mb() - base}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--nets", default=",".join(SETTINGS))
+    ap.add_argument("--records", type=int, default=2000)
+    ap.add_argument("--worker", nargs=2, metavar=("FRAMEWORK", "NET"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        fw, net = args.worker
+        run = run_purine if fw == "purine" else run_torch
+        print(json.dumps(run(net, args.iterations, args.records)))
+        return
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    print(f"{'net':15s} {'purine img/s':>13s} {'torch img/s':>12s} {'ratio':>6s} "
+          f"{'purine MB':>10s} {'torch MB':>9s}")
+    for net in args.nets.split(","):
+        res = {}
+        for fw in ("purine", "torch"):
+            out = subprocess.run([sys.executable, __file__, "--iterations", str(args.iterations),
+                                  "--records", str(args.records), "--worker", fw, net],
+                                 capture_output=True, text=True, env=env)
+            if out.returncode:
+                raise SystemExit(f"{fw} {net} failed:\n{out.stderr}")
+            res[fw] = json.loads(out.stdout.strip().splitlines()[-1])
+        p, t = res["purine"], res["torch"]
+        # ratio: purine's time per image over PyTorch's (below 1: purine-caffe is faster)
+        print(f"{net:15s} {p['img_s']:13.0f} {t['img_s']:12.0f} {t['img_s'] / p['img_s']:6.2f} "
+              f"{p['peak_mb']:10.1f} {t['peak_mb']:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
