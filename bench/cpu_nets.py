@@ -181,6 +181,20 @@ def run_torch(name: str, iterations: int) -> dict:
     return {"ms": statistics.median(times) * 1e3, "peak_mb": rss_mb() - base}
 
 
+def in_workers(script: str, net: str, flags: list[str]) -> tuple[dict, dict]:
+    """``script --worker FRAMEWORK net`` for purine, then torch, each in a fresh process (its
+    own peak memory); their JSON results."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = []
+    for fw in ("purine", "torch"):
+        out = subprocess.run([sys.executable, script, *flags, "--worker", fw, net],
+                             capture_output=True, text=True, env=env)
+        if out.returncode:
+            raise SystemExit(f"{fw} {net} failed:\n{out.stderr}")
+        res.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return res[0], res[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=10)
@@ -192,18 +206,10 @@ def main() -> None:
         result = (run_purine if fw == "purine" else run_torch)(net, args.iterations)
         print(json.dumps(result))
         return
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     print(f"{'net':15s} {'purine ms':>10s} {'torch ms':>10s} {'ratio':>6s} "
           f"{'purine MB':>10s} {'torch MB':>9s} {'ratio':>6s}")
     for net in args.nets.split(","):
-        res = {}
-        for fw in ("purine", "torch"):
-            out = subprocess.run([sys.executable, __file__, "--iterations", str(args.iterations),
-                                  "--worker", fw, net], capture_output=True, text=True, env=env)
-            if out.returncode:
-                raise SystemExit(f"{fw} {net} failed:\n{out.stderr}")
-            res[fw] = json.loads(out.stdout.strip().splitlines()[-1])
-        p, t = res["purine"], res["torch"]
+        p, t = in_workers(__file__, net, ["--iterations", str(args.iterations)])
         print(f"{net:15s} {p['ms']:10.1f} {t['ms']:10.1f} {p['ms'] / t['ms']:6.2f} "
               f"{p['peak_mb']:10.1f} {t['peak_mb']:9.1f} "
               f"{p['peak_mb'] / max(t['peak_mb'], 1e-9):6.2f}")

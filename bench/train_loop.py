@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cpu_nets import NETS, rss_mb, torch_model, train_net_param  # noqa: E402
+from cpu_nets import NETS, in_workers, rss_mb, torch_model, train_net_param  # noqa: E402
 
 # net: (channels, size, transform_param text, lr, weight decay)
 SETTINGS = {
@@ -135,19 +134,11 @@ def main() -> None:
         run = run_purine if fw == "purine" else run_torch
         print(json.dumps(run(net, args.iterations, args.records)))
         return
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     print(f"{'net':15s} {'purine img/s':>13s} {'torch img/s':>12s} {'ratio':>6s} "
           f"{'purine MB':>10s} {'torch MB':>9s}")
     for net in args.nets.split(","):
-        res = {}
-        for fw in ("purine", "torch"):
-            out = subprocess.run([sys.executable, __file__, "--iterations", str(args.iterations),
-                                  "--records", str(args.records), "--worker", fw, net],
-                                 capture_output=True, text=True, env=env)
-            if out.returncode:
-                raise SystemExit(f"{fw} {net} failed:\n{out.stderr}")
-            res[fw] = json.loads(out.stdout.strip().splitlines()[-1])
-        p, t = res["purine"], res["torch"]
+        p, t = in_workers(__file__, net, ["--iterations", str(args.iterations),
+                                          "--records", str(args.records)])
         # ratio: purine's time per image over PyTorch's (below 1: purine-caffe is faster)
         print(f"{net:15s} {p['img_s']:13.0f} {t['img_s']:12.0f} {t['img_s'] / p['img_s']:6.2f} "
               f"{p['peak_mb']:10.1f} {t['peak_mb']:9.1f}")
