@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import assign, get_array_module
+from purine.backend import assign, is_device_array
 from purine.data import DataError
 from purine.errors import PurineError
 
@@ -302,7 +302,7 @@ def fill_tops(*tops: Any, source: Prefetcher | Any) -> None:
     """The data layers' forward kernel: copy ``source.next()``'s arrays into the tops. For
     tops on a GPU, a prefetching source uploads its batches ahead on its own stream; the
     op's stream waits for the upload and copies on the device."""
-    on_gpu = get_array_module(tops[0]) is not np
+    on_gpu = is_device_array(tops[0])
     if on_gpu and isinstance(source, Prefetcher):
         source.upload_to(tops[0].device.id)
     batch = source.next()
