@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
         add(sub.add_parser(name, help=text))
 
     from purine import draw
-    from purine.converters import caffemodel_npz, onnx_export, summary
+    from purine.converters import caffemodel_npz, onnx_export, pytorch_export, summary
 
     for name, module, text in (
         ("caffemodel_to_npz", caffemodel_npz,
@@ -363,12 +363,24 @@ def build_parser() -> argparse.ArgumentParser:
         ("caffemodel_summary", summary,
          "a table of a .caffemodel's layers, blob shapes and parameter counts"),
         ("caffe_to_onnx", onnx_export, "a deploy prototxt and its .caffemodel -> an ONNX model"),
+        ("caffe_to_pytorch", pytorch_export,
+         "a deploy prototxt and its .caffemodel -> a PyTorch module and .safetensors"),
         ("draw", draw, "draw a net's bi-graph or layer view as Graphviz .dot/.svg/.png"),
     ):
         module.add_arguments(sub.add_parser(name, help=text))
     caffemodel_npz.add_npz_arguments(sub.add_parser(
         "npz_to_caffemodel", help="an .npz of 'layer/index' arrays + a net prototxt -> "
                                   ".caffemodel"))
+
+    from purine.converters import plot, training_log
+
+    for name, module, text in (
+        ("parse_log", training_log,
+         "a training log -> the LOG.train and LOG.test CSVs of Caffe's parse_log.py"),
+        ("plot", plot, "training curves (loss, test outputs, lr) of one or more logs -> "
+                       ".png/.svg (needs matplotlib)"),
+    ):
+        module.add_arguments(sub.add_parser(name, help=text))
 
     p = sub.add_parser("demo", help="train Caffe's LeNet on the embedded MNIST digits "
                                     "(offline, about half a minute on 2 cores)")

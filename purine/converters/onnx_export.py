@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from purine.converters import ConvertError, flag, run_main
+from purine.converters.deploy import conv_values, copy_every_layer, pool_values
 from purine.formats import caffe_pb2 as pb
-from purine.formats.caffemodel import atomic_write, read_caffemodel
+from purine.formats.caffemodel import atomic_write
 
 if TYPE_CHECKING:
     from purine.caffe.layer import LayerBuild
@@ -203,18 +204,6 @@ def _silence(ex: _Exporter, L: LayerBuild) -> None:
     pass
 
 
-def _conv_values(p: pb.ConvolutionParameter, name: str, spatial: int, default: int
-                 ) -> list[int]:
-    """stride / pad / dilation as Caffe reads them: the _h/_w pair, else the repeated
-    field once or per axis, else ``default`` (the builder has checked them)."""
-    if name != "dilation" and (p.HasField(f"{name}_h") or p.HasField(f"{name}_w")):
-        return [getattr(p, f"{name}_h"), getattr(p, f"{name}_w")]
-    values = list(getattr(p, name))
-    if not values:
-        return [default] * spatial
-    return [values[0 if len(values) == 1 else i] for i in range(spatial)]
-
-
 def _convolution(ex: _Exporter, L: LayerBuild) -> None:
     p = L.param.convolution_param
     ndim = len(L.bottoms[0].shape)
@@ -223,10 +212,10 @@ def _convolution(ex: _Exporter, L: LayerBuild) -> None:
                               "channels on axis 1 only")
     weight = ex.param(L, 0)
     spatial = weight.ndim - 2
-    pad = _conv_values(p, "pad", spatial, 0)
+    pad = conv_values(p, "pad", spatial, 0)
     attrs = dict(kernel_shape=list(weight.shape[2:]),
-                 strides=_conv_values(p, "stride", spatial, 1), pads=pad + pad,
-                 dilations=_conv_values(p, "dilation", spatial, 1), group=p.group)
+                 strides=conv_values(p, "stride", spatial, 1), pads=pad + pad,
+                 dilations=conv_values(p, "dilation", spatial, 1), group=p.group)
     ins = [ex.const(f"{L.name}/weight", weight)]
     if p.bias_term:
         ins.append(ex.const(f"{L.name}/bias", ex.param(L, 1)))
@@ -236,14 +225,6 @@ def _convolution(ex: _Exporter, L: LayerBuild) -> None:
     for i in range(len(L.bottoms)):
         x = ex.bottom(L, i)
         ex.node(op, [x] + ins, [ex.define(L, i)], f"{L.name}/{op}", **attrs)
-
-
-def _pool_values(p: pb.PoolingParameter, name: str, default: int) -> tuple[int, int]:
-    field = "kernel_size" if name == "kernel" else name
-    if p.HasField(f"{name}_h"):
-        return getattr(p, f"{name}_h"), getattr(p, f"{name}_w")
-    value = getattr(p, field) if p.HasField(field) else default
-    return value, value
 
 
 def _pool_axis(L: LayerBuild, what: str, size: int, k: int, s: int, pad: int, pooled: int
@@ -283,9 +264,9 @@ def _pooling(ex: _Exporter, L: LayerBuild) -> None:
         return
     _, _, h, w = L.bottoms[0].shape
     _, _, ph, pw = ex.shape_of(L.param.top[0])
-    kernel = _pool_values(p, "kernel", 0)
-    stride = _pool_values(p, "stride", p.stride)
-    pad = _pool_values(p, "pad", p.pad)
+    kernel = pool_values(p, "kernel", 0)
+    stride = pool_values(p, "stride", p.stride)
+    pad = pool_values(p, "pad", p.pad)
     end_h, ratio_h = _pool_axis(L, "height", h, kernel[0], stride[0], pad[0], ph)
     end_w, ratio_w = _pool_axis(L, "width", w, kernel[1], stride[1], pad[1], pw)
     # Explicit end padding with floor rounding, not ceil_mode: where a ceil-rounded last
@@ -538,14 +519,7 @@ def caffe_to_onnx(model: str | os.PathLike | pb.NetParameter, weights: str | os.
 
     _onnx()  # say what to install before building a large net
     net = Net(model, phase=pb.TEST)
-    # Caffe's copy keeps the fillers' values for a layer the file lacks; an export must not.
-    stored = read_caffemodel(weights)
-    in_file = {lp.name for lp in list(stored.layer) + list(stored.layers) if lp.blobs}
-    missing = [name for name in net.params if name not in in_file]
-    if missing:
-        raise ConvertError(f"{os.fspath(weights)}: no parameters for layer(s) "
-                           f"{', '.join(missing)} of the net")
-    net.copy_from(weights)
+    copy_every_layer(net, weights)
     proto = net_to_onnx(net)
     try:
         atomic_write(output, proto.SerializeToString())
