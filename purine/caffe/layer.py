@@ -119,8 +119,10 @@ class LayerBuild:
         if self.type == "Python" and self.location.device != "cpu":
             # pycaffe layers compute with numpy: on the host, their blobs copied over
             self.location = Location("cpu", 0, 0, self.location.host)
-        if self.type == "Split" and self.name not in net.placement:
-            self.location = net.data[param.bottom[0]].location  # an implicit split stays put
+        source = net.data.get(param.bottom[0]) if param.bottom else None
+        if self.type == "Split" and self.name not in net.placement and source is not None:
+            self.location = source.location  # an implicit split stays put (the builder
+            # refuses a Split without its bottom)
         # A bottom from another memory space arrives through a Copy op into a mirror here;
         # its gradient goes back through a Copy op after this layer's backward.
         self.mirrors: dict[int, Blob] = {}

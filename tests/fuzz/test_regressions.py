@@ -11,6 +11,7 @@ import pytest
 
 from purine.caffe import TEST, Net
 from purine.caffe.solver import PRIVATE_STATE_FIELD, Solver
+from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import load_weights
 from purine.formats.prototxt import read_net
@@ -141,3 +142,12 @@ def test_an_input_of_petabytes_is_refused_naming_the_layer(tmp_path):
     text = input_layer(2 ** 20, 2 ** 20, 2 ** 10) + \
         'layer { name: "r" type: "ReLU" bottom: "data" top: "r" }'
     assert net_outcome(tmp_path, text) == "LayerError"
+
+
+# -- found by the long profile ---------------------------------------------------------
+@pytest.mark.parametrize("bottoms", ["", 'bottom: "nowhere" '])
+def test_a_split_layer_without_its_bottom_is_refused(tmp_path, bottoms):
+    path = tmp_path / "net.prototxt"
+    path.write_text(f'layer {{ name: "data" type: "Split" {bottoms}top: "x" top: "y" }}\n')
+    with pytest.raises(PurineError, match="layer .data. \\(type Split\\): "):
+        Net(str(path), TEST)
