@@ -92,13 +92,14 @@ def test_sigmoid_whose_rate_is_zero_trains_without_moving_the_weights():
 
 
 # -- test_iter: 0 ------------------------------------------------------------------------
-def test_zero_test_iter_runs_no_batch_and_logs_a_nan_loss():
+@pytest.mark.parametrize("test_iter, loss", [(0, "nan"), (-1, "-0")])
+def test_no_test_iter_runs_no_batch_and_logs_caffes_loss(test_iter, loss):
     log, lines = logger()
-    s = Solver(solver_text(test_iter=0, test_interval=100, test_compute_loss="true")
+    s = Solver(solver_text(test_iter=test_iter, test_interval=100, test_compute_loss="true")
                + f"test_net_param {{ {NET} }}\n", log=log)
     assert s.test(0) == {}
-    # Caffe divides the summed loss, 0, by test_iter, 0: NaN; no output has a line
-    assert lines.lines[-2:] == ["Iteration 0, Testing net (#0)", "Test loss: nan"]
+    # Caffe divides the summed loss, 0, by test_iter: NaN for 0, -0 for -1; no output line
+    assert lines.lines[-2:] == ["Iteration 0, Testing net (#0)", f"Test loss: {loss}"]
     assert not any("net output" in line for line in lines.lines)
 
 

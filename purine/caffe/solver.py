@@ -645,7 +645,7 @@ class Solver:
         means = {k: v / n for k, v in sums.items()}
         if p.test_compute_loss:  # 0 / 0 over zero batches is NaN, as Caffe logs it
             self.log.info("Test loss: %g", loss / n if n else math.nan)
-        if n:  # zero batches: no output to average, so no output line, as in Caffe
+        if n > 0:  # no batches (test_iter 0 or less): no output line, as in Caffe
             self._log_outputs(net, "Test", means)
         return means
 
