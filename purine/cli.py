@@ -195,6 +195,7 @@ def cmd_test(args: argparse.Namespace) -> int:
 
     from purine.backend import to_host
     from purine.caffe import TEST, Net
+    from purine.converters.progress import Progress
 
     log = get_logger()
     gpus = _gpus(args)
@@ -208,15 +209,17 @@ def cmd_test(args: argparse.Namespace) -> int:
         weights = dict(net.builder.loss_tops)
         sums: dict[str, np.ndarray] = {}
         loss = 0.0
-        for i in range(args.iterations):
-            out = net.forward()
-            loss += net.loss
-            for name, v in out.items():
-                v = to_host(v).astype(np.float64).ravel()
-                sums[name] = sums.get(name, 0) + v
-                for k, x in enumerate(v):
-                    label = name if v.size == 1 else f"{name}[{k}]"
-                    log.info("Batch %d, %s = %g", i, label, x)
+        with Progress(args.iterations, "test", unit="batch", log=log) as progress:
+            for i in range(args.iterations):
+                out = net.forward()
+                loss += net.loss
+                for name, v in out.items():
+                    v = to_host(v).astype(np.float64).ravel()
+                    sums[name] = sums.get(name, 0) + v
+                    for k, x in enumerate(v):
+                        label = name if v.size == 1 else f"{name}[{k}]"
+                        log.info("Batch %d, %s = %g", i, label, x)
+                progress.update(i + 1)
         n = max(1, args.iterations)
         log.info("Loss: %g", loss / n)
         for name, total in sums.items():

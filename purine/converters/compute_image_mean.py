@@ -14,6 +14,7 @@ import numpy as np
 from google.protobuf import message
 
 from purine.converters import ConvertError, flag, run_main
+from purine.converters.progress import Progress, wanted
 from purine.data import db as dbs
 from purine.data.datum import check_payload, decode_image, raw_dims
 from purine.data.leveldb_source import message as leveldb_message
@@ -90,6 +91,23 @@ def _datums(path: str, backend: str) -> Iterator[tuple[bytes, pb.Datum]]:
         yield key, datum
 
 
+def _lmdb_entries(path: str) -> int | None:
+    """The record count an LMDB keeps, for the progress bar; None when it cannot be opened
+    (reading it then says why). A LevelDB keeps no count: its bar just counts."""
+    import lmdb
+
+    if dbs.detect(path) != "lmdb":
+        return None
+    try:
+        env = lmdb.open(path, readonly=True, lock=False, subdir=os.path.isdir(path))
+    except lmdb.Error:
+        return None
+    try:
+        return env.stat()["entries"]
+    finally:
+        env.close()
+
+
 def compute_image_mean(db: str | os.PathLike, output: str | os.PathLike | None = None, *,
                        backend: str = "lmdb", log=None) -> np.ndarray:
     """The mean over all datums of the ``backend`` database ``db`` (lmdb or leveldb) as a
@@ -114,35 +132,39 @@ def compute_image_mean(db: str | os.PathLike, output: str | os.PathLike | None =
             int_sum += block.sum(axis=0, dtype=np.int64)
             pending.clear()
 
-    for key, datum in _datums(path, backend):
-        where = f"{path}: record {key!r}"
-        check_payload(datum, where)
-        if datum.encoded:
+    total = _lmdb_entries(path) if backend == "lmdb" and wanted() else None
+    label = os.path.basename(os.path.normpath(path))
+    with Progress(total, label, unit="record", log=log) as progress:
+        for key, datum in _datums(path, backend):
+            where = f"{path}: record {key!r}"
+            check_payload(datum, where)
+            if datum.encoded:
+                if shape is None:
+                    log.info("Decoding Datum")
+                datum = _decode(datum, where)
+            dims = raw_dims(datum, where)
+            n = max(len(datum.data), len(datum.float_data))
             if shape is None:
-                log.info("Decoding Datum")
-            datum = _decode(datum, where)
-        dims = raw_dims(datum, where)
-        n = max(len(datum.data), len(datum.float_data))
-        if shape is None:
-            shape, size = dims, dims[0] * dims[1] * dims[2]
-            if n != size:  # before the sums are allocated: the dims may be huge
-                raise ConvertError(f"{where}: incorrect data field size {n} for CxHxW "
-                                   f"{'x'.join(map(str, shape))} = {size}")
-            int_sum = np.zeros(size, np.int64)
-            float_sum = np.zeros(size, np.float64)
-            log.info("Starting Iteration")
-        if n != size:
-            raise ConvertError(f"{where}: incorrect data field size {n}; the "
-                               f"first datum is {'x'.join(map(str, shape))} (CxHxW) = {size}")
-        if datum.data:
-            pending.append(datum.data)
-            if len(pending) == BATCH:
-                flush()
-        else:
-            float_sum += np.asarray(datum.float_data, dtype=np.float32)
-        count += 1
-        if count % LOG_EVERY == 0:
-            log.info("Processed %d files.", count)
+                shape, size = dims, dims[0] * dims[1] * dims[2]
+                if n != size:  # before the sums are allocated: the dims may be huge
+                    raise ConvertError(f"{where}: incorrect data field size {n} for CxHxW "
+                                       f"{'x'.join(map(str, shape))} = {size}")
+                int_sum = np.zeros(size, np.int64)
+                float_sum = np.zeros(size, np.float64)
+                log.info("Starting Iteration")
+            if n != size:
+                raise ConvertError(f"{where}: incorrect data field size {n}; the "
+                                   f"first datum is {'x'.join(map(str, shape))} (CxHxW) = {size}")
+            if datum.data:
+                pending.append(datum.data)
+                if len(pending) == BATCH:
+                    flush()
+            else:
+                float_sum += np.asarray(datum.float_data, dtype=np.float32)
+            count += 1
+            progress.update(count)
+            if count % LOG_EVERY == 0:
+                log.info("Processed %d files.", count)
     if shape is None:
         raise ConvertError(f"{path}: the database holds no records")
     flush()

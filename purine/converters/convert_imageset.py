@@ -8,13 +8,13 @@ import argparse
 import os
 import shutil
 import sys
-import time
 from collections.abc import Iterable, Iterator
-from typing import NamedTuple, TextIO
+from typing import NamedTuple
 
 import numpy as np
 
 from purine.converters import ConvertError, bool_flag, flag, run_main
+from purine.converters.progress import Progress
 from purine.data.image_list import read_list
 from purine.data.leveldb_source import message as leveldb_message
 from purine.data.leveldb_source import plyvel_module
@@ -102,51 +102,6 @@ def image_datum(image: np.ndarray | Encoded, label: int, encoding: str = "") -> 
 
 
 # -- the database writer ------------------------------------------------------------------
-class Progress:
-    """A one-line text progress bar on stderr, redrawn in place; only on a terminal and for
-    runs of at least ``min_total`` records (short runs and logs stay clean)."""
-
-    WIDTH = 30
-
-    def __init__(self, total: int | None, label: str, stream: TextIO | None = None,
-                 min_total: int = COMMIT_EVERY, enabled: bool | None = None):
-        self.stream = stream if stream is not None else sys.stderr
-        self.total, self.label = total or 0, label
-        if enabled is None:
-            isatty = getattr(self.stream, "isatty", None)
-            enabled = bool(isatty and isatty()) and self.total >= min_total
-        self.enabled = enabled and self.total > 0
-        self.t0 = self.last = time.monotonic()
-        self.drawn = 0
-
-    def update(self, done: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if not self.enabled or (not force and now - self.last < 0.2):
-            return
-        self.last = now
-        frac = min(done / self.total, 1.0)
-        n = int(frac * self.WIDTH)
-        rate = done / max(now - self.t0, 1e-9)
-        line = (f"{self.label} [{'#' * n}{'.' * (self.WIDTH - n)}] {done}/{self.total} "
-                f"{frac:4.0%} {rate:.0f}/s")
-        self.stream.write("\r" + line.ljust(self.drawn))
-        self.stream.flush()
-        self.drawn = len(line)
-
-    def clear(self) -> None:
-        """Erase the bar before a log line is written below it."""
-        if self.enabled and self.drawn:
-            self.stream.write("\r" + " " * self.drawn + "\r")
-            self.stream.flush()
-            self.drawn = 0
-
-    def close(self, done: int) -> None:
-        if self.enabled:
-            self.update(done, force=True)
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 def _commit(env, batch: list[tuple[bytes, bytes]]) -> None:
     import lmdb
 
@@ -256,32 +211,18 @@ class DBWriter:
 
 def _fill(db: DBWriter, items: Iterable[tuple[str | bytes, pb.Datum | bytes]],
           total: int | None, label: str, log) -> int:
-    progress = Progress(total, label)
-    try:
-        return _fill_batches(db, items, progress, log)
-    except BaseException:
-        progress.clear()  # an error message must not land on the bar's line
-        raise
-
-
-def _fill_batches(db: DBWriter, items: Iterable[tuple[str | bytes, pb.Datum | bytes]],
-                  progress: Progress, log) -> int:
     count = 0
-    for key, value in items:
-        db.put(key, value)
-        count += 1
-        if count % COMMIT_EVERY == 0:
-            db.commit()
-            progress.clear()
-            log.info("Processed %d files.", count)
-            progress.update(count, force=True)
-        else:
+    with Progress(total, label, unit="record", log=log) as progress:
+        for key, value in items:
+            db.put(key, value)
+            count += 1
             progress.update(count)
-    if count % COMMIT_EVERY != 0:
-        db.commit()
-        progress.clear()
-        log.info("Processed %d files.", count)
-    progress.close(count)
+            if count % COMMIT_EVERY == 0:
+                db.commit()
+                log.info("Processed %d files.", count)
+        if count % COMMIT_EVERY != 0:
+            db.commit()
+            log.info("Processed %d files.", count)
     return count
 
 

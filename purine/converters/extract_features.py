@@ -13,6 +13,7 @@ import numpy as np
 
 from purine.converters import ConvertError, run_main
 from purine.converters.convert_imageset import COMMIT_EVERY, DBWriter
+from purine.converters.progress import Progress
 from purine.formats import caffe_pb2 as pb
 from purine.log import get_logger
 
@@ -90,20 +91,22 @@ def extract_features(weights: str | os.PathLike, model: str | os.PathLike,
                 writers.append(DBWriter(d, backend, log))
             log.info("Extracting Features")
             counts = [0] * len(blobs)
-            for _ in range(num_batches):
-                net.forward()
-                for i, name in enumerate(blobs):
-                    n, c, h, w = dims[name]
-                    values = to_host(net.blobs[name].data).astype(np.float32).reshape(n, -1)
-                    for row in values:
-                        datum = pb.Datum(channels=c, height=h, width=w)
-                        datum.float_data.extend(row.tolist())
-                        writers[i].put(f"{counts[i]:010d}", datum)
-                        counts[i] += 1
-                        if counts[i] % COMMIT_EVERY == 0:
-                            writers[i].commit()
-                            log.info("Extracted features of %d query images for feature blob %s",
-                                     counts[i], name)
+            with Progress(num_batches, "extract_features", unit="batch", log=log) as progress:
+                for batch in range(num_batches):
+                    net.forward()
+                    for i, name in enumerate(blobs):
+                        n, c, h, w = dims[name]
+                        values = to_host(net.blobs[name].data).astype(np.float32).reshape(n, -1)
+                        for row in values:
+                            datum = pb.Datum(channels=c, height=h, width=w)
+                            datum.float_data.extend(row.tolist())
+                            writers[i].put(f"{counts[i]:010d}", datum)
+                            counts[i] += 1
+                            if counts[i] % COMMIT_EVERY == 0:
+                                writers[i].commit()
+                                log.info("Extracted features of %d query images for "
+                                         "feature blob %s", counts[i], name)
+                    progress.update(batch + 1)
             for i, name in enumerate(blobs):
                 writers[i].close()
                 log.info("Extracted features of %d query images for feature blob %s", counts[i],

@@ -15,6 +15,7 @@ import numpy as np
 
 from purine.converters import ConvertError, flag, run_main
 from purine.converters.deploy import conv_values, copy_every_layer, pool_values
+from purine.converters.progress import Progress
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write
 
@@ -122,14 +123,15 @@ class _Exporter:
 
     # -- the walk -----------------------------------------------------------------------
     def run(self) -> Any:
-        for i, L in enumerate(self.layers):
-            if i in self.skip:
-                continue
-            self.index = i
-            handler = _HANDLERS.get(L.type)
-            if handler is None:
-                raise _unsupported(L)
-            handler(self, L)
+        with Progress(len(self.layers), "caffe_to_onnx", unit="layer") as progress:
+            for i, L in enumerate(self.layers):
+                if i not in self.skip:  # a Scale folded into the BatchNorm before it
+                    self.index = i
+                    handler = _HANDLERS.get(L.type)
+                    if handler is None:
+                        raise _unsupported(L)
+                    handler(self, L)
+                progress.update(i + 1)
         for name in self.net.outputs:
             tensor = self.cur[name]
             if tensor != name:

@@ -22,6 +22,7 @@ import numpy as np
 
 from purine.converters import ConvertError, flag, run_main
 from purine.converters.deploy import conv_values, copy_every_layer, pool_values
+from purine.converters.progress import Progress
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write
 
@@ -385,11 +386,13 @@ class _Writer:
 
     # -- the walk ---------------------------------------------------------------------
     def run(self) -> tuple[str, list[str]]:
-        for L in self.layers:
-            handler = _HANDLERS.get(L.type)
-            if handler is None:
-                raise _unsupported(L)
-            handler(self, L)
+        with Progress(len(self.layers), "caffe_to_pytorch", unit="layer") as progress:
+            for i, L in enumerate(self.layers):
+                handler = _HANDLERS.get(L.type)
+                if handler is None:
+                    raise _unsupported(L)
+                handler(self, L)
+                progress.update(i + 1)
         outputs = list(self.net.outputs)
         return self.source(outputs), outputs
 

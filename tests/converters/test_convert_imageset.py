@@ -302,7 +302,8 @@ def test_write_images_encoded_check_size_and_errors(tmp_path):
         write_images(tmp_path / "db4", [("k" * 600, a, 0)], log=Lines().log)
 
 
-def test_progress_bar_is_plain_text_on_a_terminal():
+def test_progress_bar_is_plain_text_on_a_terminal(monkeypatch):
+    monkeypatch.delenv("PURINE_PROGRESS", raising=False)  # the terminal alone decides
     out = io.StringIO()
     bar = Progress(2000, "train_lmdb", stream=out, enabled=True)
     bar.update(1000, force=True)
