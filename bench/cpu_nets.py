@@ -5,8 +5,9 @@ and AlexNet (batch 16), purine-caffe beside PyTorch's CPU build in the same run.
 
 Each (framework, net) pair runs in a fresh subprocess so that its peak resident memory
 (ru_maxrss above the level after imports and input creation) is its own. Times are medians
-of N timed iterations after 2 warm-up iterations. PyTorch is a peer for the bench only,
-never a dependency of the package.
+of N timed iterations after 2 warm-up iterations. The header names what ran purine's
+convolutions: oneDNN where it is installed (``PURINE_ONEDNN=0`` turns it off), else numpy.
+PyTorch is a peer for the bench only, never a dependency of the package.
 """
 
 from __future__ import annotations
@@ -181,10 +182,24 @@ def run_torch(name: str, iterations: int) -> dict:
     return {"ms": statistics.median(times) * 1e3, "peak_mb": rss_mb() - base}
 
 
+def worker_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def purine_convolutions() -> str:
+    """What runs purine's float32 CPU convolutions in a worker ("oneDNN 3.2.0 (OpenMP)" or
+    "numpy"), asked in a fresh process: loading oneDNN here would set OMP_WAIT_POLICY for
+    the torch workers too."""
+    out = subprocess.run([sys.executable, "-c", "from purine.backend import onednn; "
+                          "print(onednn.describe())"], capture_output=True, text=True,
+                         env=worker_env())
+    return out.stdout.strip() or f"unknown ({out.stderr.strip()[-200:]})"
+
+
 def in_workers(script: str, net: str, flags: list[str]) -> tuple[dict, dict]:
     """``script --worker FRAMEWORK net`` for purine, then torch, each in a fresh process (its
     own peak memory); their JSON results."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = worker_env()
     res = []
     for fw in ("purine", "torch"):
         out = subprocess.run([sys.executable, script, *flags, "--worker", fw, net],
@@ -207,7 +222,8 @@ def main() -> None:
         print(json.dumps(result))
         return
     print(f"{'net':15s} {'purine ms':>10s} {'torch ms':>10s} {'ratio':>6s} "
-          f"{'purine MB':>10s} {'torch MB':>9s} {'ratio':>6s}")
+          f"{'purine MB':>10s} {'torch MB':>9s} {'ratio':>6s}   purine convolutions: "
+          f"{purine_convolutions()}")
     for net in args.nets.split(","):
         p, t = in_workers(__file__, net, ["--iterations", str(args.iterations)])
         print(f"{net:15s} {p['ms']:10.1f} {t['ms']:10.1f} {p['ms'] / t['ms']:6.2f} "

@@ -7,6 +7,8 @@ memory.
 Blobs are (num, channels, height, width) as the geometry says; a 1-d convolution is the
 2-d one with height 1, and axes before the channel axis are folded into ``num``.
 
+float32 host calls go to oneDNN instead where it is installed (``purine.backend.onednn``).
+
 On a GPU: our im2col / col2im kernels into one (C*kh*kw, n*P) column matrix per chunk of
 samples and one cuBLAS GEMM per group (see the GPU section below).
 """
@@ -19,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import cuda, device_variant, get_array_module
+from purine.backend import cuda, device_variant, get_array_module, onednn
 
 Array = Any
 
@@ -343,6 +345,9 @@ def conv_forward(x: Array, w: Array, *rest: Array, geom: ConvGeometry) -> None:
     """y = w * x (+ b): ``rest`` is (b, y) or (y,)."""
     *b, y = rest
     g = geom
+    _dnnl = onednn.get()
+    if _dnnl is not None and _dnnl.conv_forward(x, w, b[0] if b else None, y, g):
+        return
     m, ng = g.num_output, g.group
     mg = m // ng
     w2 = w.reshape(ng, mg, -1)
@@ -427,6 +432,9 @@ def _conv_backward_data_gpu(dy: Array, w: Array, dx: Array, *, geom: ConvGeometr
 def conv_backward_data(dy: Array, w: Array, dx: Array, *, geom: ConvGeometry) -> None:
     """dx = w^T * dy: the GEMM gives the columns, col2im sums them back."""
     g = geom
+    _dnnl = onednn.get()
+    if _dnnl is not None and _dnnl.conv_backward_data(dy, w, dx, g):
+        return
     ng = g.group
     mg = g.num_output // ng
     w2 = w.reshape(ng, mg, -1)
@@ -461,6 +469,9 @@ def conv_backward_weight(*arrays: Array, geom: ConvGeometry) -> None:
     (a layer with several bottoms shares one weight)."""
     *pairs, dw = arrays
     g = geom
+    _dnnl = onednn.get()
+    if _dnnl is not None and _dnnl.conv_backward_weight(arrays, g):
+        return
     m, ng = g.num_output, g.group
     mg = m // ng
     ws = _Workspace(np, g, dw.dtype)

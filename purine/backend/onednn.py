@@ -1,0 +1,432 @@
+"""oneDNN's CPU convolutions through its C API (ctypes), used by the float32 host bodies of
+``purine.ops.conv`` when the optional ``onednn-cpu-gomp`` wheel is installed
+(``pip install "purine-caffe[onednn]"``); without it, or with ``PURINE_ONEDNN=0``, every
+convolution runs on numpy.
+
+Each convolution geometry gets its primitives once (descriptor creation costs milliseconds)
+on oneDNN's own blocked layouts; a call reorders its NCHW/OIHW operands into them and the
+result back. The blocked copies live in a few scratch buffers shared by all primitives, so
+the extra memory is that of the largest convolution's operands, not of every layer's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from purine.errors import PurineError
+
+# The wheels that install libdnnl.so.3 for the CPU; they differ only in the threading runtime.
+DISTRIBUTIONS = ("onednn-cpu-gomp", "onednn-cpu-iomp", "onednn-cpu-tbb")
+LIBRARY = "libdnnl.so.3"
+
+# Enum values and argument indices of oneDNN 3.x's dnnl_types.h.
+_CPU, _F32 = 1, 3
+_TAG_ANY, _TAG_A, _TAG_ABCD, _TAG_ABCDE = 1, 2, 5, 6
+_FORWARD_TRAINING, _CONV_DIRECT = 64, 1
+_Q_SRC, _Q_DIFF_SRC, _Q_WEIGHTS, _Q_DIFF_WEIGHTS, _Q_DST, _Q_DIFF_DST = range(129, 135)
+_ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS = 1, 17, 33, 41
+_ARG_DIFF_SRC, _ARG_DIFF_DST, _ARG_DIFF_WEIGHTS = 129, 145, 161
+_RUNTIMES = {1: "sequential", 2: "OpenMP", 4: "TBB", 8: "threadpool", 256: "OpenCL",
+             512: "SYCL"}
+_ALIGN = 64  # bytes; what oneDNN's own allocations use
+
+_P = ctypes.c_void_p
+_PP = ctypes.POINTER(ctypes.c_void_p)
+_DIMS = ctypes.c_int64 * 12
+_SIGNATURES: dict[str, list[Any]] = {
+    "dnnl_engine_get_count": [ctypes.c_int],
+    "dnnl_engine_create": [_PP, ctypes.c_int, ctypes.c_size_t],
+    "dnnl_stream_create": [_PP, _P, ctypes.c_uint],
+    "dnnl_stream_wait": [_P],
+    "dnnl_memory_desc_create_with_tag": [_PP, ctypes.c_int, _DIMS, ctypes.c_int, ctypes.c_int],
+    "dnnl_memory_desc_equal": [_P, _P],
+    "dnnl_memory_desc_get_size": [_P],
+    "dnnl_memory_create": [_PP, _P, _P, _P],
+    "dnnl_memory_set_data_handle": [_P, _P],
+    "dnnl_primitive_desc_query_md": [_P, ctypes.c_int, ctypes.c_int],
+    "dnnl_primitive_create": [_PP, _P],
+    "dnnl_primitive_execute": [_P, _P, ctypes.c_int, _P],
+    "dnnl_reorder_primitive_desc_create": [_PP, _P, _P, _P, _P, _P],
+    "dnnl_convolution_forward_primitive_desc_create": [
+        _PP, _P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _DIMS, _DIMS, _DIMS, _DIMS, _P],
+    "dnnl_convolution_backward_data_primitive_desc_create": [
+        _PP, _P, ctypes.c_int, _P, _P, _P, _DIMS, _DIMS, _DIMS, _DIMS, _P, _P],
+    "dnnl_convolution_backward_weights_primitive_desc_create": [
+        _PP, _P, ctypes.c_int, _P, _P, _P, _P, _DIMS, _DIMS, _DIMS, _DIMS, _P, _P],
+}
+_RESTYPES = {"dnnl_engine_get_count": ctypes.c_size_t, "dnnl_memory_desc_get_size":
+             ctypes.c_size_t, "dnnl_primitive_desc_query_md": ctypes.c_void_p}
+
+
+class _Version(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int),
+                ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint),
+                ("gpu_runtime", ctypes.c_uint)]
+
+
+class _ExecArg(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_int), ("memory", ctypes.c_void_p)]
+
+
+def find_library() -> str | None:
+    """The path of libdnnl.so.3 in the first installed oneDNN CPU wheel, or None."""
+    for dist in DISTRIBUTIONS:
+        try:
+            files = importlib.metadata.files(dist) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for f in files:
+            if f.name == LIBRARY:
+                return str(f.locate())
+    return None
+
+
+def _load(path: str) -> ctypes.CDLL:
+    """dlopen ``path``. Intel's wheels install the libraries it needs beside it without a
+    RUNPATH, so a dependency the loader cannot find is loaded from that folder first."""
+    folder = os.path.dirname(path)
+    for _ in range(16):
+        try:
+            return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            m = re.search(r"(\S+\.so[.\d]*): cannot open shared object", str(e))
+            dep = os.path.join(folder, m.group(1)) if m else None
+            if dep is None or dep == path or not os.path.exists(dep):
+                raise
+            _load(dep)
+    raise OSError(f"{path}: too many missing dependencies")
+
+
+def _dims(*values: int) -> Any:
+    return _DIMS(*values)
+
+
+@dataclass
+class _Operand:
+    """One NCHW/OIHW array of a primitive: its plain memory (pointed at the array at each
+    call) and, when the primitive wants another layout, the blocked memory and the reorder
+    between the two."""
+
+    plain: ctypes.c_void_p
+    mem: ctypes.c_void_p
+    blocked_bytes: int  # 0 when the primitive reads or writes the array itself
+    reorder: tuple[ctypes.c_void_p, Any] | None
+
+
+class _Primitive:
+    """One convolution primitive and its operands, run on arrays in a fixed order."""
+
+    def __init__(self, dnnl: Dnnl, pd: ctypes.c_void_p,
+                 operands: list[tuple[int, int | None, ctypes.c_void_p, bool]]):
+        """``operands``: (exec argument, query of the layout the primitive wants or None for
+        the plain one, plain layout, is an input), in the order ``run`` takes the arrays."""
+        self.dnnl = dnnl
+        self.ops: list[_Operand] = []
+        self.inputs: list[_Operand] = []
+        self.outputs: list[_Operand] = []
+        args = []
+        for arg, query, plain_md, is_input in operands:
+            plain = dnnl.memory(plain_md)
+            want = (plain_md if query is None
+                    else ctypes.c_void_p(dnnl.lib.dnnl_primitive_desc_query_md(pd, query, 0)))
+            if query is None or dnnl.lib.dnnl_memory_desc_equal(plain_md, want):
+                op = _Operand(plain, plain, 0, None)
+            else:
+                mem = dnnl.memory(want)
+                pair = (plain_md, plain, want, mem) if is_input else (want, mem, plain_md, plain)
+                op = _Operand(plain, mem, dnnl.lib.dnnl_memory_desc_get_size(want),
+                              dnnl.reorder(*pair))
+            self.ops.append(op)
+            (self.inputs if is_input else self.outputs).append(op)
+            args.append(_ExecArg(arg, op.mem.value))
+        self.prim = dnnl.primitive(pd)
+        self.args = (_ExecArg * len(args))(*args)
+
+    def run(self, *arrays: np.ndarray) -> None:
+        d = self.dnnl
+        lib = d.lib
+        with d.lock:
+            slot = 0
+            for op, a in zip(self.ops, arrays, strict=True):
+                lib.dnnl_memory_set_data_handle(op.plain, a.ctypes.data)
+                if op.blocked_bytes:
+                    lib.dnnl_memory_set_data_handle(op.mem, d.scratch(slot, op.blocked_bytes))
+                    slot += 1
+            steps = [op.reorder for op in self.inputs if op.reorder]
+            steps.append((self.prim, self.args))
+            steps += [op.reorder for op in self.outputs if op.reorder]
+            for prim, args in steps:
+                status = lib.dnnl_primitive_execute(prim, d.stream, len(args), args)
+                if status:
+                    raise PurineError(f"oneDNN: a convolution primitive failed with status "
+                                      f"{status}")
+            if lib.dnnl_stream_wait(d.stream):
+                raise PurineError("oneDNN: waiting for the CPU stream failed")
+            d.calls += 1
+
+
+class Dnnl:
+    """One loaded libdnnl, its CPU engine and stream, and the convolution primitives made so
+    far, keyed by (op, geometry). Calls are serialized: the stream and the scratch buffers
+    are shared, and each primitive uses every core anyway."""
+
+    def __init__(self, path: str):
+        lib = self.lib = _load(path)
+        lib.dnnl_version.restype = ctypes.POINTER(_Version)
+        v = lib.dnnl_version().contents
+        self.version = f"{v.major}.{v.minor}.{v.patch}"
+        self.runtime = _RUNTIMES.get(v.cpu_runtime, str(v.cpu_runtime))
+        if v.major != 3:
+            raise OSError(f"version {self.version} found, 3.x expected")
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = _RESTYPES.get(name, ctypes.c_int)
+        if lib.dnnl_engine_get_count(_CPU) == 0:
+            raise OSError(f"oneDNN {self.version} ({self.runtime} CPU runtime) has no CPU "
+                          f"engine")
+        self.engine, self.stream = ctypes.c_void_p(), ctypes.c_void_p()
+        self.call("dnnl_engine_create", ctypes.byref(self.engine), _CPU, 0)
+        self.call("dnnl_stream_create", ctypes.byref(self.stream), self.engine, 1)
+        self.lock = threading.Lock()
+        self.calls = 0  # primitive runs so far (tests and benches see which path ran)
+        self._scratch: list[np.ndarray] = []
+        self._prims: dict[tuple[Any, ...], _Primitive | None] = {}
+        self._hints: dict[Any, ctypes.c_void_p] = {}
+
+    def __str__(self) -> str:
+        return f"oneDNN {self.version} ({self.runtime})"
+
+    # -- C API helpers ---------------------------------------------------------------------
+    def call(self, name: str, *args: Any) -> None:
+        status = getattr(self.lib, name)(*args)
+        if status:
+            raise PurineError(f"oneDNN: {name} failed with status {status}")
+
+    def md(self, dims: tuple[int, ...], tag: int) -> ctypes.c_void_p:
+        md = ctypes.c_void_p()
+        self.call("dnnl_memory_desc_create_with_tag", ctypes.byref(md), len(dims),
+                  _dims(*dims), _F32, tag)
+        return md
+
+    def memory(self, md: ctypes.c_void_p) -> ctypes.c_void_p:
+        """A memory of layout ``md`` with no buffer yet (``run`` points it at one)."""
+        mem = ctypes.c_void_p()
+        self.call("dnnl_memory_create", ctypes.byref(mem), md, self.engine, None)
+        return mem
+
+    def primitive(self, pd: ctypes.c_void_p) -> ctypes.c_void_p:
+        p = ctypes.c_void_p()
+        self.call("dnnl_primitive_create", ctypes.byref(p), pd)
+        return p
+
+    def reorder(self, src_md: ctypes.c_void_p, src: ctypes.c_void_p, dst_md: ctypes.c_void_p,
+                dst: ctypes.c_void_p) -> tuple[ctypes.c_void_p, Any]:
+        pd = ctypes.c_void_p()
+        self.call("dnnl_reorder_primitive_desc_create", ctypes.byref(pd), src_md, self.engine,
+                  dst_md, self.engine, None)
+        return self.primitive(pd), (_ExecArg * 2)(_ExecArg(_ARG_SRC, src.value),
+                                                   _ExecArg(_ARG_DST, dst.value))
+
+    def scratch(self, slot: int, nbytes: int) -> int:
+        """The address of scratch buffer ``slot``, grown to at least ``nbytes``, aligned."""
+        while len(self._scratch) <= slot:
+            self._scratch.append(np.empty(0, np.uint8))
+        buf = self._scratch[slot]
+        if buf.size < nbytes + _ALIGN:
+            buf = self._scratch[slot] = np.empty(nbytes + _ALIGN, np.uint8)
+        return buf.ctypes.data + (-buf.ctypes.data) % _ALIGN
+
+    # -- convolutions ----------------------------------------------------------------------
+    @staticmethod
+    def _shapes(g: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(x, w, y) dims; a grouped weight is (group, outputs, channels, kh, kw) per group,
+        which is Caffe's (num_output, channels/group, kh, kw) memory."""
+        x = (g.num, g.channels, g.height, g.width)
+        y = (g.num, g.num_output, g.out_h, g.out_w)
+        if g.group == 1:
+            w: tuple[int, ...] = (g.num_output, g.channels, g.kernel_h, g.kernel_w)
+        else:
+            w = (g.group, g.num_output // g.group, g.channels // g.group, g.kernel_h,
+                 g.kernel_w)
+        return x, w, y
+
+    def _geometry_args(self, g: Any) -> tuple[Any, ...]:
+        # oneDNN's dilation counts the gaps (Caffe's minus one); the right/bottom padding is
+        # what Caffe's floored output size leaves over, negative when it drops a border.
+        right = ((g.out_h - 1) * g.stride_h + g.dilation_h * (g.kernel_h - 1) + 1 - g.height
+                 - g.pad_h,
+                 (g.out_w - 1) * g.stride_w + g.dilation_w * (g.kernel_w - 1) + 1 - g.width
+                 - g.pad_w)
+        return (_dims(g.stride_h, g.stride_w), _dims(g.dilation_h - 1, g.dilation_w - 1),
+                _dims(g.pad_h, g.pad_w), _dims(*right))
+
+    def _any(self, g: Any) -> tuple[ctypes.c_void_p, ...]:
+        return tuple(self.md(s, _TAG_ANY) for s in self._shapes(g))
+
+    def _plain(self, g: Any) -> tuple[ctypes.c_void_p, ...]:
+        x, w, y = self._shapes(g)
+        w_tag = _TAG_ABCD if g.group == 1 else _TAG_ABCDE
+        return self.md(x, _TAG_ABCD), self.md(w, w_tag), self.md(y, _TAG_ABCD)
+
+    def _forward_pd(self, g: Any, bias: bool) -> ctypes.c_void_p:
+        x, w, y = self._any(g)
+        b = self.md((g.num_output,), _TAG_A) if bias else None
+        pd = ctypes.c_void_p()
+        self.call("dnnl_convolution_forward_primitive_desc_create", ctypes.byref(pd),
+                  self.engine, _FORWARD_TRAINING, _CONV_DIRECT, x, w, b, y,
+                  *self._geometry_args(g), None)
+        return pd
+
+    def _hint(self, g: Any) -> ctypes.c_void_p:
+        """The forward descriptor (without bias) that the backward descriptors need."""
+        if g not in self._hints:
+            self._hints[g] = self._forward_pd(g, False)
+        return self._hints[g]
+
+    def _make(self, op: str, g: Any) -> _Primitive:
+        x, w, y = self._plain(g)
+        if op in ("fwd", "fwd_bias"):
+            bias = op == "fwd_bias"
+            operands = [(_ARG_SRC, _Q_SRC, x, True), (_ARG_WEIGHTS, _Q_WEIGHTS, w, True),
+                        (_ARG_DST, _Q_DST, y, False)]
+            if bias:  # always plain (x): no reorder
+                operands.insert(2, (_ARG_BIAS, None, self.md((g.num_output,), _TAG_A), True))
+            return _Primitive(self, self._forward_pd(g, bias), operands)
+        pd = ctypes.c_void_p()
+        ax, aw, ay = self._any(g)
+        if op == "bwd_data":
+            self.call("dnnl_convolution_backward_data_primitive_desc_create", ctypes.byref(pd),
+                      self.engine, _CONV_DIRECT, ax, aw, ay, *self._geometry_args(g),
+                      self._hint(g), None)
+            return _Primitive(self, pd, [(_ARG_DIFF_DST, _Q_DIFF_DST, y, True),
+                                         (_ARG_WEIGHTS, _Q_WEIGHTS, w, True),
+                                         (_ARG_DIFF_SRC, _Q_DIFF_SRC, x, False)])
+        # The bias gradient stays purine's own op (a layer may not want it).
+        self.call("dnnl_convolution_backward_weights_primitive_desc_create", ctypes.byref(pd),
+                  self.engine, _CONV_DIRECT, ax, aw, None, ay, *self._geometry_args(g),
+                  self._hint(g), None)
+        return _Primitive(self, pd, [(_ARG_SRC, _Q_SRC, x, True),
+                                     (_ARG_DIFF_DST, _Q_DIFF_DST, y, True),
+                                     (_ARG_DIFF_WEIGHTS, _Q_DIFF_WEIGHTS, w, False)])
+
+    def _get(self, op: str, g: Any) -> _Primitive | None:
+        key = (op, g)
+        if key not in self._prims:
+            with self.lock:
+                if key not in self._prims:
+                    try:
+                        self._prims[key] = self._make(op, g)
+                    except PurineError:
+                        # oneDNN has no implementation for this geometry: numpy keeps it.
+                        self._prims[key] = None
+        return self._prims[key]
+
+    @staticmethod
+    def _fits(g: Any, *arrays: np.ndarray) -> bool:
+        """Whether oneDNN can take these arrays: float32, contiguous, non-empty NCHW."""
+        if min(g.num, g.channels, g.height, g.width, g.num_output, g.out_h, g.out_w) <= 0:
+            return False
+        return all(type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous
+                   for a in arrays)
+
+    def conv_forward(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, y: np.ndarray,
+                     g: Any) -> bool:
+        """y = w * x (+ b) for geometry ``g``; False (nothing written) when oneDNN does not
+        take this call and numpy must."""
+        arrays = (x, w, y) if b is None else (x, w, b, y)
+        if not self._fits(g, *arrays):
+            return False
+        prim = self._get("fwd" if b is None else "fwd_bias", g)
+        if prim is None:
+            return False
+        prim.run(*arrays)
+        return True
+
+    def conv_backward_data(self, dy: np.ndarray, w: np.ndarray, dx: np.ndarray, g: Any) -> bool:
+        """dx = w^T * dy; False when numpy must do it."""
+        if not self._fits(g, dy, w, dx):
+            return False
+        prim = self._get("bwd_data", g)
+        if prim is None:
+            return False
+        prim.run(dy, w, dx)
+        return True
+
+    def conv_backward_weight(self, arrays: tuple[np.ndarray, ...], g: Any) -> bool:
+        """dw = the sum over the (x, dy) pairs of ``arrays`` = (x0, dy0, x1, dy1, ..., dw);
+        False when numpy must do it."""
+        *pairs, dw = arrays
+        if not pairs or not self._fits(g, *arrays):
+            return False
+        prim = self._get("bwd_w", g)
+        if prim is None:
+            return False
+        prim.run(pairs[0], pairs[1], dw)
+        if len(pairs) > 2:
+            part = np.empty_like(dw)
+            for i in range(2, len(pairs), 2):
+                prim.run(pairs[i], pairs[i + 1], part)
+                dw += part
+        return True
+
+
+_STATE: dict[str, Dnnl | None] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def get() -> Dnnl | None:
+    """The loaded oneDNN, or None: when ``PURINE_ONEDNN=0``, when no oneDNN CPU wheel is
+    installed, or when the installed one fails to load (said once in a warning)."""
+    if os.environ.get("PURINE_ONEDNN") == "0":
+        return None
+    try:
+        return _STATE["dnnl"]
+    except KeyError:
+        pass
+    with _LOAD_LOCK:
+        if "dnnl" not in _STATE:
+            _STATE["dnnl"] = _start()
+    return _STATE["dnnl"]
+
+
+def _start() -> Dnnl | None:
+    path = find_library()
+    if path is None:
+        return None
+    # OpenMP workers that spin after a parallel region take the cores OpenBLAS's threads
+    # need next (2-3x slower nets); libgomp reads this once, when it loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        return Dnnl(path)
+    except (OSError, AttributeError, PurineError) as e:
+        from purine.log import get_logger
+
+        get_logger().warning("oneDNN at %s is not used, convolutions run on numpy: %s",
+                             path, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return None
+
+
+def available() -> bool:
+    return get() is not None
+
+
+def describe() -> str:
+    """What runs the float32 CPU convolutions: "oneDNN 3.2.0 (OpenMP)" or "numpy"."""
+    d = get()
+    return "numpy" if d is None else str(d)
+
+
+def reset() -> None:
+    """Forget the loaded library's state so that the next ``get`` looks again (tests). A
+    library once loaded stays in the process."""
+    with _LOAD_LOCK:
+        _STATE.clear()

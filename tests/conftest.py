@@ -1,0 +1,12 @@
+"""Settings for the whole test suite.
+
+The suite's numbers are the numpy kernels' (bit-exact references, strict tolerances,
+threaded runs equal to sequential ones), so every test and every subprocess a test starts
+runs the convolutions on numpy: ``PURINE_ONEDNN=0`` turns the optional oneDNN kernels off
+unless the environment already says otherwise. ``tests/ops/test_onednn.py`` turns them on
+where it compares the two.
+"""
+
+import os
+
+os.environ.setdefault("PURINE_ONEDNN", "0")

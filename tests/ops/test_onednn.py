@@ -1,0 +1,249 @@
+"""The optional oneDNN convolutions (``purine.backend.onednn``): on float32 they match the
+numpy kernels (forward, backward data, backward weight, a Deconvolution layer and a whole
+CIFAR-10 quick training step), float64 stays on numpy, and without a usable library
+purine falls back to numpy, with one warning when an installed one fails to load.
+
+The suite runs with ``PURINE_ONEDNN=0`` (tests/conftest.py); these tests turn oneDNN on."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from purine.backend import onednn
+from purine.caffe import TRAIN, Net
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import filter_net, read_net, replace_data_layers
+from purine.ops import conv
+from purine.ops.conv import ConvGeometry
+from tests.gradcheck import layer_net
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NOT_INSTALLED = ("no oneDNN CPU wheel installed (pip install 'purine-caffe[onednn]', "
+                 f"one of {', '.join(onednn.DISTRIBUTIONS)})")
+
+
+@pytest.fixture
+def dnnl(monkeypatch: pytest.MonkeyPatch) -> onednn.Dnnl:
+    """oneDNN turned on for the test; skipped where it is not installed."""
+    if onednn.find_library() is None:
+        pytest.skip(NOT_INSTALLED)
+    monkeypatch.setenv("PURINE_ONEDNN", "1")
+    d = onednn.get()
+    assert d is not None, "oneDNN is installed but did not load: see the warning above"
+    return d
+
+
+@pytest.fixture
+def fresh() -> Iterator[None]:
+    """A test that changes how the library is found: forget the loaded state around it."""
+    onednn.reset()
+    yield
+    onednn.reset()
+
+
+def on_numpy(monkeypatch: pytest.MonkeyPatch, fn: Callable[..., Any], *args: Any,
+             **kwargs: Any) -> Any:
+    with monkeypatch.context() as m:
+        m.setenv("PURINE_ONEDNN", "0")
+        return fn(*args, **kwargs)
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, rel: float) -> None:
+    """|got - want| within ``rel`` times want's largest magnitude."""
+    scale = float(np.max(np.abs(want)))
+    assert scale > 0
+    worst = float(np.max(np.abs(got.astype(np.float64) - want))) / scale
+    assert worst <= rel, f"relative difference {worst:.2e} > {rel:.0e}"
+
+
+GEOMETRIES = {
+    "cifar10_quick conv2": ConvGeometry(100, 32, 16, 16, 32, 5, 5, pad_h=2, pad_w=2),
+    # Caffe's floored output drops the last row/column: oneDNN's right padding is negative.
+    "stride 2 pad 1": ConvGeometry(4, 6, 9, 11, 8, 3, 3, stride_h=2, stride_w=2, pad_h=1),
+    "group 2": ConvGeometry(3, 4, 10, 10, 6, 3, 3, pad_h=1, pad_w=1, group=2),
+    "dilation 2x3": ConvGeometry(2, 3, 12, 12, 4, 3, 3, dilation_h=2, dilation_w=3),
+    "1x1": ConvGeometry(5, 8, 7, 7, 16, 1, 1),
+    "3x2 kernel, stride 3x1": ConvGeometry(2, 5, 8, 9, 7, 3, 2, stride_h=3, pad_w=1),
+}
+
+
+def conv_arrays(g: ConvGeometry, dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "x": rng.standard_normal((g.num, g.channels, g.height, g.width)).astype(dtype),
+        "w": rng.standard_normal((g.num_output, g.channels // g.group, g.kernel_h,
+                                  g.kernel_w)).astype(dtype),
+        "b": rng.standard_normal(g.num_output).astype(dtype),
+        "dy": rng.standard_normal((g.num, g.num_output, g.out_h, g.out_w)).astype(dtype),
+    }
+
+
+def run_ops(g: ConvGeometry, a: dict[str, np.ndarray], bias: bool) -> dict[str, np.ndarray]:
+    """y, dx and dw (from one (x, dy) pair, and from two: the sum) of ``g`` on ``a``."""
+    y, dx = np.empty_like(a["dy"]), np.empty_like(a["x"])
+    dw, dw2 = np.empty_like(a["w"]), np.empty_like(a["w"])
+    conv.conv_forward(a["x"], a["w"], *([a["b"]] if bias else []), y, geom=g)
+    conv.conv_backward_data(a["dy"], a["w"], dx, geom=g)
+    conv.conv_backward_weight(a["x"], a["dy"], dw, geom=g)
+    conv.conv_backward_weight(a["x"], a["dy"], a["x"], 2 * a["dy"], dw2, geom=g)
+    return {"y": y, "dx": dx, "dw": dw, "dw of two pairs": dw2}
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_kernels_match_numpy(dnnl, monkeypatch, name, bias):
+    g = GEOMETRIES[name]
+    a = conv_arrays(g)
+    before = dnnl.calls
+    got = run_ops(g, a, bias)
+    assert dnnl.calls - before == 5  # forward, backward data, three weight gradients
+    want = on_numpy(monkeypatch, run_ops, g, a, bias)
+    for k in want:
+        assert_close(got[k], want[k], 1e-5)
+
+
+def test_float64_stays_on_numpy(dnnl, monkeypatch):
+    g = GEOMETRIES["group 2"]
+    a = conv_arrays(g, np.float64)
+    before = dnnl.calls
+    got = run_ops(g, a, True)
+    assert dnnl.calls == before
+    want = on_numpy(monkeypatch, run_ops, g, a, True)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_non_contiguous_arrays_stay_on_numpy(dnnl, monkeypatch):
+    g = GEOMETRIES["1x1"]
+    a = conv_arrays(g)
+    x = np.asfortranarray(a["x"])
+    y, want = np.empty_like(a["dy"]), np.empty_like(a["dy"])
+    before = dnnl.calls
+    conv.conv_forward(x, a["w"], y, geom=g)
+    assert dnnl.calls == before
+    on_numpy(monkeypatch, conv.conv_forward, x, a["w"], want, geom=g)
+    np.testing.assert_array_equal(y, want)
+
+
+def deconv_step(net: Net, x: np.ndarray, dy: np.ndarray) -> dict[str, np.ndarray]:
+    net.forward(x=x)
+    net.backward(y=dy)
+    w, b = net.params["l"]
+    return {"y": net.blobs["y"].data.copy(), "dx": net.blobs["x"].diff.copy(),
+            "dw": w.diff.copy(), "db": b.diff.copy()}
+
+
+def test_deconvolution_layer_matches_numpy(dnnl, monkeypatch):
+    layer = ('name: "l" type: "Deconvolution" bottom: "x" top: "y" convolution_param { '
+             'num_output: 6 kernel_size: 3 stride: 2 pad: 1 group: 2 '
+             'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" '
+             'std: 0.5 } }')
+    net = Net(layer_net(layer, {"x": (3, 4, 5, 6)}), phase=TRAIN)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 4, 5, 6)).astype(np.float32)
+    dy = rng.standard_normal(net.blobs["y"].data.shape).astype(np.float32)
+    before = dnnl.calls
+    got = deconv_step(net, x, dy)
+    assert dnnl.calls - before == 3  # forward (backward data), backward data, weights
+    want = on_numpy(monkeypatch, deconv_step, net, x, dy)
+    for k in want:
+        assert_close(got[k], want[k], 1e-5)
+
+
+def train_step(net: Net, data: np.ndarray, label: np.ndarray) -> dict[str, np.ndarray]:
+    net.forward(data=data, label=label)
+    net.backward()
+    out = {"loss": np.array(net.blobs["loss"].data, np.float64).reshape(-1)}
+    for name, blobs in net.params.items():
+        for i, blob in enumerate(blobs):
+            out[f"{name}[{i}]"] = blob.diff.copy()
+    return out
+
+
+def test_cifar10_quick_training_step_matches_numpy(dnnl, monkeypatch):
+    path = os.path.join(ROOT, "models/cifar10_quick/cifar10_quick_train_test.prototxt")
+    param = filter_net(read_net(path), pb.NetState(phase=pb.TRAIN))
+    shape = (16, 3, 32, 32)
+    net = Net(replace_data_layers(param, {"data": shape, "label": shape[:1]}), phase=TRAIN,
+              seed=1)
+    rng = np.random.default_rng(2)
+    data = rng.standard_normal(shape).astype(np.float32)
+    label = rng.integers(0, 10, shape[0]).astype(np.float32)
+    before = dnnl.calls
+    got = train_step(net, data, label)
+    # three forwards, three weight gradients, two backward datas (conv1's bottom is data)
+    assert dnnl.calls - before == 8
+    want = on_numpy(monkeypatch, train_step, net, data, label)
+    assert set(got) == set(want)
+    for k in want:
+        assert_close(got[k], want[k], 1e-4)
+
+
+def test_describe_names_the_library(dnnl):
+    assert onednn.describe() == f"oneDNN {dnnl.version} ({dnnl.runtime})"
+    assert dnnl.version.startswith("3.")
+    assert onednn.available()
+
+
+def test_purine_onednn_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("PURINE_ONEDNN", "0")
+    assert onednn.get() is None
+    assert not onednn.available()
+    assert onednn.describe() == "numpy"
+
+
+@pytest.fixture
+def warnings_logged() -> Iterator[list[str]]:
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                lines.append(record.getMessage())
+
+    handler = Keep()
+    log = logging.getLogger("purine")
+    log.addHandler(handler)
+    yield lines
+    log.removeHandler(handler)
+
+
+def test_not_installed_is_numpy_without_a_word(monkeypatch, fresh, warnings_logged):
+    monkeypatch.setenv("PURINE_ONEDNN", "1")
+    monkeypatch.setattr(onednn, "find_library", lambda: None)
+    assert onednn.get() is None
+    assert warnings_logged == []
+
+
+def test_a_broken_library_warns_once_and_falls_back(monkeypatch, fresh, warnings_logged,
+                                                    tmp_path):
+    broken = tmp_path / "libdnnl.so.3"
+    broken.write_bytes(b"not a shared library")
+    monkeypatch.setenv("PURINE_ONEDNN", "1")
+    monkeypatch.setattr(onednn, "find_library", lambda: str(broken))
+    assert onednn.get() is None
+    assert onednn.get() is None
+    assert len(warnings_logged) == 1
+    assert warnings_logged[0].startswith(
+        f"oneDNN at {broken} is not used, convolutions run on numpy: ")
+    # ... and the convolutions still run, on numpy.
+    g = GEOMETRIES["1x1"]
+    a = conv_arrays(g)
+    got = run_ops(g, a, True)
+    want = on_numpy(monkeypatch, run_ops, g, a, True)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_the_wheel_is_found_through_its_file_list():
+    path = onednn.find_library()
+    if path is None:
+        pytest.skip(NOT_INSTALLED)
+    assert os.path.basename(path) == onednn.LIBRARY
+    assert os.path.exists(path)
