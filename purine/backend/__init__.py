@@ -371,6 +371,18 @@ def one_blas_thread() -> Iterator[None]:
         set_(before)
 
 
+def set_blas_threads(n: int) -> int | None:
+    """Let numpy's OpenBLAS use ``n`` threads from now on; the count it had, or None where
+    no OpenBLAS is found (then nothing changes)."""
+    get_set = _openblas_threads()
+    if get_set is None:
+        return None
+    get, set_ = get_set
+    before = int(get())
+    set_(n)
+    return before
+
+
 def _openblas_threads():
     """OpenBLAS's (get_num_threads, set_num_threads) from the libraries this process has
     loaded (Linux's /proc/self/maps), under any of the names numpy's builds export."""

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from purine.backend import set_blas_threads
 from purine.errors import PurineError
 
 # The wheels that install libdnnl.so.3 for the CPU; they differ only in the threading runtime.
@@ -379,7 +380,7 @@ class Dnnl:
         return True
 
 
-_STATE: dict[str, Dnnl | None] = {}
+_STATE: dict[str, Any] = {}
 _LOAD_LOCK = threading.Lock()
 
 
@@ -406,13 +407,19 @@ def _start() -> Dnnl | None:
     # need next (2-3x slower nets); libgomp reads this once, when it loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
-        return Dnnl(path)
+        dnnl = Dnnl(path)
     except (OSError, AttributeError, PurineError) as e:
         from purine.log import get_logger
 
         get_logger().warning("oneDNN at %s is not used, convolutions run on numpy: %s",
                              path, str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
+    # OpenBLAS's idle threads spin too, against oneDNN's OpenMP team: with one BLAS thread
+    # (the GEMMs left to numpy are the small ones of InnerProduct) bench/cpu_nets.py on 2
+    # cores went from 1.23x to 0.72x PyTorch's time on CIFAR-10 quick, 1.26x to 0.85x on
+    # LeNet and 1.07x to 0.85x on AlexNet.
+    _STATE["blas_threads"] = set_blas_threads(1)
+    return dnnl
 
 
 def available() -> bool:
@@ -429,4 +436,7 @@ def reset() -> None:
     """Forget the loaded library's state so that the next ``get`` looks again (tests). A
     library once loaded stays in the process."""
     with _LOAD_LOCK:
+        before = _STATE.get("blas_threads")
+        if before is not None:
+            set_blas_threads(before)
         _STATE.clear()
