@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from purine.caffe.solver import DivergenceError
 from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
+from purine.formats.wire import varint as wire_varint
 
 F = TypeVar("F", bound=Callable[..., Any])
 Draw = st.DrawFn
@@ -156,13 +157,7 @@ def ints_in(lo_hi: tuple[int, int]) -> st.SearchStrategy[int]:
 
 def varint(n: int) -> bytes:
     """Protobuf's varint of ``n`` (a negative number as its 64-bit two's complement)."""
-    n &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
+    return wire_varint(n & ((1 << 64) - 1))
 
 
 # -- byte mutations ----------------------------------------------------------------------
