@@ -1,12 +1,14 @@
-"""oneDNN's CPU convolutions through its C API (ctypes), used by the float32 host bodies of
-``purine.ops.conv`` when the optional ``onednn-cpu-gomp`` wheel is installed
-(``pip install "purine-caffe[onednn]"``); without it, or with ``PURINE_ONEDNN=0``, every
-convolution runs on numpy.
+"""oneDNN's CPU convolutions and MAX pooling through its C API (ctypes), used by the float32
+host bodies of ``purine.ops.conv`` and ``purine.ops.pooling`` when the optional
+``onednn-cpu-gomp`` wheel is installed (``pip install "purine-caffe[onednn]"``); without it,
+or with ``PURINE_ONEDNN=0``, they run on numpy.
 
 Each convolution geometry gets its primitives once (descriptor creation costs milliseconds)
 on oneDNN's own blocked layouts; a call reorders its NCHW/OIHW operands into them and the
 result back. The blocked copies live in a few scratch buffers shared by all primitives, so
 the extra memory is that of the largest convolution's operands, not of every layer's.
+Pooling runs on plain NCHW, where its workspace holds each maximum's kernel offset, from
+which the forward writes Caffe's argmax mask (the backward stays numpy's, from the mask).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import set_blas_threads
+from purine.backend import host_parallel, set_blas_threads
 from purine.errors import PurineError
 
 # The wheels that install libdnnl.so.3 for the CPU; they differ only in the threading runtime.
@@ -31,13 +33,15 @@ LIBRARY = "libdnnl.so.3"
 # Enum values and argument indices of oneDNN 3.x's dnnl_types.h.
 _CPU, _F32 = 1, 3
 _TAG_ANY, _TAG_A, _TAG_ABCD, _TAG_ABCDE = 1, 2, 5, 6
-_FORWARD_TRAINING, _CONV_DIRECT = 64, 1
-_Q_SRC, _Q_DIFF_SRC, _Q_WEIGHTS, _Q_DIFF_WEIGHTS, _Q_DST, _Q_DIFF_DST = range(129, 135)
-_ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS = 1, 17, 33, 41
+_FORWARD_TRAINING, _CONV_DIRECT, _POOLING_MAX = 64, 1, 0x1ff
+_Q_SRC, _Q_DIFF_SRC, _Q_WEIGHTS, _Q_DIFF_WEIGHTS, _Q_DST, _Q_DIFF_DST, _Q_WORKSPACE = range(
+    129, 136)
+_ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS, _ARG_WORKSPACE = 1, 17, 33, 41, 64
 _ARG_DIFF_SRC, _ARG_DIFF_DST, _ARG_DIFF_WEIGHTS = 129, 145, 161
 _RUNTIMES = {1: "sequential", 2: "OpenMP", 4: "TBB", 8: "threadpool", 256: "OpenCL",
              512: "SYCL"}
 _ALIGN = 64  # bytes; what oneDNN's own allocations use
+_MASK_TYPES = (np.float32, np.float64, np.int32, np.int64)  # what a MAX pooling mask may be
 
 _P = ctypes.c_void_p
 _PP = ctypes.POINTER(ctypes.c_void_p)
@@ -62,6 +66,8 @@ _SIGNATURES: dict[str, list[Any]] = {
         _PP, _P, ctypes.c_int, _P, _P, _P, _DIMS, _DIMS, _DIMS, _DIMS, _P, _P],
     "dnnl_convolution_backward_weights_primitive_desc_create": [
         _PP, _P, ctypes.c_int, _P, _P, _P, _P, _DIMS, _DIMS, _DIMS, _DIMS, _P, _P],
+    "dnnl_pooling_forward_primitive_desc_create": [
+        _PP, _P, ctypes.c_int, ctypes.c_int, _P, _P, _DIMS, _DIMS, _DIMS, _DIMS, _DIMS, _P],
 }
 _RESTYPES = {"dnnl_engine_get_count": ctypes.c_size_t, "dnnl_memory_desc_get_size":
              ctypes.c_size_t, "dnnl_primitive_desc_query_md": ctypes.c_void_p}
@@ -167,8 +173,7 @@ class _Primitive:
             for prim, args in steps:
                 status = lib.dnnl_primitive_execute(prim, d.stream, len(args), args)
                 if status:
-                    raise PurineError(f"oneDNN: a convolution primitive failed with status "
-                                      f"{status}")
+                    raise PurineError(f"oneDNN: a primitive failed with status {status}")
             if lib.dnnl_stream_wait(d.stream):
                 raise PurineError("oneDNN: waiting for the CPU stream failed")
             d.calls += 1
@@ -202,6 +207,7 @@ class Dnnl:
         self._scratch: list[np.ndarray] = []
         self._prims: dict[tuple[Any, ...], _Primitive | None] = {}
         self._hints: dict[Any, ctypes.c_void_p] = {}
+        self._pools: dict[Any, _MaxPool | None] = {}
 
     def __str__(self) -> str:
         return f"oneDNN {self.version} ({self.runtime})"
@@ -378,6 +384,86 @@ class Dnnl:
                 prim.run(pairs[i], pairs[i + 1], part)
                 dw += part
         return True
+
+
+    # -- MAX pooling -----------------------------------------------------------------------
+    def _max_pool(self, g: Any) -> _MaxPool | None:
+        """The forward primitive of geometry ``g`` on plain NCHW, or None when oneDNN has
+        none or its workspace is not one kernel offset per output (u8 or s32)."""
+        x = self.md((g.num, g.channels, g.height, g.width), _TAG_ABCD)
+        y = self.md((g.num, g.channels, g.pooled_h, g.pooled_w), _TAG_ABCD)
+        # Caffe clips a window to the image; oneDNN pads with the lowest float, which never
+        # wins over an image value, so the ceil-rounded overhang is right padding.
+        right = ((g.pooled_h - 1) * g.stride_h + g.kernel_h - g.height - g.pad_h,
+                 (g.pooled_w - 1) * g.stride_w + g.kernel_w - g.width - g.pad_w)
+        pd = ctypes.c_void_p()
+        self.call("dnnl_pooling_forward_primitive_desc_create", ctypes.byref(pd), self.engine,
+                  _FORWARD_TRAINING, _POOLING_MAX, x, y, _dims(g.stride_h, g.stride_w),
+                  _dims(g.kernel_h, g.kernel_w), _dims(0, 0), _dims(g.pad_h, g.pad_w),
+                  _dims(*right), None)
+        ws = ctypes.c_void_p(self.lib.dnnl_primitive_desc_query_md(pd, _Q_WORKSPACE, 0))
+        outputs = g.num * g.channels * g.pooled_h * g.pooled_w
+        code = {outputs: np.uint8, 4 * outputs: np.int32}.get(
+            self.lib.dnnl_memory_desc_get_size(ws) if ws.value else 0)
+        if code is None:
+            return None
+        prim = _Primitive(self, pd, [(_ARG_SRC, None, x, True), (_ARG_DST, None, y, False),
+                                     (_ARG_WORKSPACE, None, ws, False)])
+        # The workspace holds the offset i*kernel_w + j of each maximum in its (padded)
+        # window; Caffe's mask is that element's plane index h*W + w.
+        kk = np.arange(g.kernel_h * g.kernel_w)
+        offsets = (kk // g.kernel_w) * g.width + kk % g.kernel_w
+        starts = ((np.arange(g.pooled_h) * g.stride_h - g.pad_h)[:, None] * g.width
+                  + (np.arange(g.pooled_w) * g.stride_w - g.pad_w)[None, :])
+        return _MaxPool(prim, code, offsets, starts)
+
+    def max_pool_forward(self, x: np.ndarray, y: np.ndarray, mask: np.ndarray, g: Any
+                         ) -> bool:
+        """y = the window maxima of geometry ``g`` (a ``PoolGeometry``), ``mask`` = the plane
+        index of each (the first in scan order on ties, as oneDNN's comparisons are strict);
+        False (nothing written) when numpy must do it: another dtype, a window wholly
+        outside the image (Caffe's -FLT_MAX and -1), a float32 mask that cannot hold every
+        plane index exactly."""
+        if (min(g.num, g.channels, g.height, g.width, g.pooled_h, g.pooled_w) <= 0
+                or g.empty_rows or g.empty_cols
+                or not all(type(a) is np.ndarray and a.flags.c_contiguous
+                           for a in (x, y, mask))
+                or x.dtype != np.float32 or y.dtype != np.float32
+                or mask.dtype not in _MASK_TYPES or mask.size != y.size
+                or (mask.dtype == np.float32 and g.height * g.width > 1 << 24)):
+            return False
+        if g not in self._pools:
+            with self.lock:
+                if g not in self._pools:
+                    try:
+                        self._pools[g] = self._max_pool(g)
+                    except PurineError:  # no implementation for this geometry
+                        self._pools[g] = None
+        pool = self._pools[g]
+        if pool is None:
+            return False
+        code = np.empty(y.shape, pool.code)
+        pool.prim.run(x, y, code)
+        offsets, starts = pool.offsets.astype(mask.dtype), pool.starts.astype(mask.dtype)
+        planes = (g.num, g.channels, g.pooled_h, g.pooled_w)
+        code4, mask4 = code.reshape(planes), mask.reshape(planes)
+
+        def plane_index(s: slice) -> None:
+            np.add(np.take(offsets, code4[s]), starts, out=mask4[s])
+
+        host_parallel(plane_index, g.num, work=code.size)
+        return True
+
+
+@dataclass
+class _MaxPool:
+    """A MAX pooling forward primitive (x, y, workspace) and what turns its workspace into
+    Caffe's mask: offsets[code] + starts."""
+
+    prim: _Primitive
+    code: Any  # the workspace's numpy dtype
+    offsets: np.ndarray  # (kernel_h * kernel_w,): plane index of kernel offset (i, j) - start
+    starts: np.ndarray  # (pooled_h, pooled_w): plane index of each window's padded corner
 
 
 _STATE: dict[str, Any] = {}

@@ -1,7 +1,8 @@
 """Pooling kernels (Caffe's Pooling: MAX with its argmax mask, AVE, STOCHASTIC), vectorized
 over everything but the kernel offsets. Windows follow Caffe: MAX ignores padding, AVE divides
 by the window clipped to the padded image, STOCHASTIC has none. On a GPU: our CUDA kernels for
-MAX and AVE; STOCHASTIC as CuPy array operations."""
+MAX and AVE; STOCHASTIC as CuPy array operations. The float32 host MAX forward goes to oneDNN
+where it is installed (``purine.backend.onednn``), with the same maxima and mask."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from purine.backend import (
     device_variant,
     get_array_module,
     host_parallel,
+    onednn,
     scatter_add,
 )
 
@@ -112,6 +114,9 @@ def max_pool_forward(x: Array, y: Array, mask: Array, *, geom: PoolGeometry) -> 
     """y = the window maxima; ``mask`` = the plane index h*W + w of each maximum (the first
     in scan order on ties), as Caffe's max_idx_ or its optional second top (float)."""
     g = geom
+    dnnl = onednn.get()
+    if dnnl is not None and dnnl.max_pool_forward(x, y, mask, g):
+        return
     x4, y4, m4 = _planes(x, g, False), _planes(y, g, True), _planes(mask, g, True)
     host_parallel(lambda s: _max_pool_forward(x4[s], y4[s], m4[s],
                                               replace(g, num=s.stop - s.start)),

@@ -1,7 +1,8 @@
-"""The optional oneDNN convolutions (``purine.backend.onednn``): on float32 they match the
-numpy kernels (forward, backward data, backward weight, a Deconvolution layer and a whole
-CIFAR-10 quick training step), float64 stays on numpy, and without a usable library
-purine falls back to numpy, with one warning when an installed one fails to load.
+"""The optional oneDNN convolutions and MAX pooling (``purine.backend.onednn``): on float32
+they match the numpy kernels (forward, backward data, backward weight, a Deconvolution layer,
+MAX pooling's maxima and mask bit for bit, and a whole CIFAR-10 quick training step), float64
+stays on numpy, and without a usable library purine falls back to numpy, with one warning
+when an installed one fails to load.
 
 The suite runs with ``PURINE_ONEDNN=0`` (tests/conftest.py); these tests turn oneDNN on."""
 
@@ -19,8 +20,9 @@ from purine.backend import onednn
 from purine.caffe import TRAIN, Net
 from purine.formats import caffe_pb2 as pb
 from purine.formats.prototxt import filter_net, read_net, replace_data_layers
-from purine.ops import conv
+from purine.ops import conv, pooling
 from purine.ops.conv import ConvGeometry
+from purine.ops.pooling import PoolGeometry
 from tests.gradcheck import layer_net
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -177,12 +179,111 @@ def test_cifar10_quick_training_step_matches_numpy(dnnl, monkeypatch):
     label = rng.integers(0, 10, shape[0]).astype(np.float32)
     before = dnnl.calls
     got = train_step(net, data, label)
-    # three forwards, three weight gradients, two backward datas (conv1's bottom is data)
-    assert dnnl.calls - before == 8
+    # three forwards, three weight gradients, two backward datas (conv1's bottom is data),
+    # pool1's MAX forward (pool2 and pool3 are AVE)
+    assert dnnl.calls - before == 9
     want = on_numpy(monkeypatch, train_step, net, data, label)
     assert set(got) == set(want)
     for k in want:
         assert_close(got[k], want[k], 1e-4)
+
+
+def pool_geometry(num: int, channels: int, height: int, width: int, kernel: tuple[int, int],
+                  stride: tuple[int, int] = (1, 1), pad: tuple[int, int] = (0, 0)
+                  ) -> PoolGeometry:
+    """Caffe's output size: rounded up, less a last window that would start in the padding."""
+    pooled = []
+    for size, k, s, p in zip((height, width), kernel, stride, pad, strict=True):
+        n = -(-(size + 2 * p - k) // s) + 1
+        pooled.append(n - 1 if p and (n - 1) * s >= size + p else n)
+    return PoolGeometry(num, channels, height, width, *kernel, *stride, *pad, *pooled)
+
+
+POOLS = {
+    # 32 -> 16: the last window overhangs the image by a column and a row.
+    "cifar10_quick pool1": pool_geometry(100, 32, 32, 32, (3, 3), (2, 2)),
+    "pad 1, ceil overhang": pool_geometry(3, 4, 10, 9, (3, 3), (2, 2), (1, 1)),
+    "stride 1": pool_geometry(2, 3, 8, 7, (3, 3)),
+    "2x2 stride 2": pool_geometry(4, 5, 12, 12, (2, 2), (2, 2)),
+    "3x2 kernel, stride 2x1, pad 1x0": pool_geometry(2, 3, 9, 8, (3, 2), (2, 1), (1, 0)),
+    "global 6x6": pool_geometry(3, 8, 6, 6, (6, 6)),
+    # 289 kernel offsets: more than a byte of workspace each.
+    "global 17x17": pool_geometry(2, 4, 17, 17, (17, 17)),
+}
+
+
+def relu_ties(shape: tuple[int, ...], seed: int = 3) -> np.ndarray:
+    """After-ReLU values rounded to a few levels: windows of zeros and repeated maxima."""
+    rng = np.random.default_rng(seed)
+    return np.maximum(np.round(2 * rng.standard_normal(shape)), 0).astype(np.float32) / 2
+
+
+def max_pool(g: PoolGeometry, x: np.ndarray, mask_type: Any) -> tuple[np.ndarray, np.ndarray]:
+    shape = (g.num, g.channels, g.pooled_h, g.pooled_w)
+    y, mask = np.empty(shape, np.float32), np.empty(shape, mask_type)
+    pooling.max_pool_forward(x, y, mask, geom=g)
+    return y, mask
+
+
+@pytest.mark.parametrize("mask_type", [np.int32, np.float32])
+@pytest.mark.parametrize("name", sorted(POOLS))
+def test_max_pool_forward_matches_numpy_bit_for_bit(dnnl, monkeypatch, name, mask_type):
+    g = POOLS[name]
+    shape = (g.num, g.channels, g.height, g.width)
+    rng = np.random.default_rng(4)
+    inputs = {"ties": relu_ties(shape), "zeros": np.zeros(shape, np.float32),
+              "normal": rng.standard_normal(shape).astype(np.float32)}
+    for what, x in inputs.items():
+        before = dnnl.calls
+        got = max_pool(g, x, mask_type)
+        assert dnnl.calls - before == 1, what
+        want = on_numpy(monkeypatch, max_pool, g, x, mask_type)
+        for a, b in zip(got, want, strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b, err_msg=f"{name}, {what}")
+
+
+def test_max_pool_ties_take_the_first_maximum(dnnl):
+    g = pool_geometry(1, 1, 3, 4, (2, 2), (1, 2))
+    x = np.array([[0, 5, 5, 1],
+                  [5, 5, 0, 5],
+                  [0, 0, 0, 0]], np.float32).reshape(1, 1, 3, 4)
+    y, mask = max_pool(g, x, np.int32)
+    assert y.reshape(2, 2).tolist() == [[5, 5], [5, 5]]
+    assert mask.reshape(2, 2).tolist() == [[1, 2], [4, 7]]
+    # All equal: the window's first element inside the image (padding never wins).
+    g = pool_geometry(1, 1, 3, 3, (3, 3), (2, 2), (1, 1))
+    y, mask = max_pool(g, np.zeros((1, 1, 3, 3), np.float32), np.int32)
+    assert y.reshape(-1).tolist() == [0, 0, 0, 0]
+    assert mask.reshape(-1).tolist() == [0, 1, 3, 4]
+
+
+def test_max_pool_windows_outside_the_image_stay_on_numpy(dnnl, monkeypatch):
+    # Stride 4 over kernel 2 with ceil rounding: the last window starts past the image.
+    g = pool_geometry(2, 3, 7, 7, (2, 2), (4, 4))
+    assert g.empty_rows == g.empty_cols == 1
+    x = relu_ties((2, 3, 7, 7))
+    before = dnnl.calls
+    got = max_pool(g, x, np.float32)
+    assert dnnl.calls == before
+    assert got[1][0, 0, -1].tolist() == [-1, -1, -1]
+    want = on_numpy(monkeypatch, max_pool, g, x, np.float32)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_max_pool_float64_stays_on_numpy(dnnl):
+    g = POOLS["stride 1"]
+    x = relu_ties((g.num, g.channels, g.height, g.width)).astype(np.float64)
+    shape = (g.num, g.channels, g.pooled_h, g.pooled_w)
+    y, mask = np.empty(shape), np.empty(shape, np.int32)
+    before = dnnl.calls
+    pooling.max_pool_forward(x, y, mask, geom=g)
+    assert dnnl.calls == before
+    # The first output row: the maxima of the 3x3 windows of rows 0-2, by hand.
+    rows = x[0, 0, :3]
+    np.testing.assert_array_equal(y[0, 0, 0], [rows[:, j:j + 3].max() for j in range(5)])
+    assert y.dtype == np.float64
 
 
 def test_describe_names_the_library(dnnl):
