@@ -2,12 +2,18 @@
 and AlexNet (batch 16), purine-caffe beside PyTorch's CPU build in the same run.
 
     python bench/cpu_nets.py [--iterations N] [--nets lenet,cifar10_quick,alexnet]
+    python bench/cpu_nets.py --layers cifar10_quick [--iterations N]
 
 Each (framework, net) pair runs in a fresh subprocess so that its peak resident memory
 (ru_maxrss above the level after imports and input creation) is its own. Times are medians
 of N timed iterations after 2 warm-up iterations. The header names what ran purine's
 convolutions: oneDNN where it is installed (``PURINE_ONEDNN=0`` turns it off), else numpy.
 PyTorch is a peer for the bench only, never a dependency of the package.
+
+``--layers NET`` prints where one forward+backward of NET spends its time, per Caffe layer
+and direction: purine's from its dispatcher's profiler (each op's kernel time, summed over
+the ops a layer builds), PyTorch's from ``torch.profiler`` (see ``run_torch_layers``).
+Medians of N profiled iterations after 3 warm-up ones.
 """
 
 from __future__ import annotations
@@ -182,6 +188,131 @@ def run_torch(name: str, iterations: int) -> dict:
     return {"ms": statistics.median(times) * 1e3, "peak_mb": rss_mb() - base}
 
 
+# -- per-layer times (--layers) --------------------------------------------------------------
+LAYER_WARMUP = 3
+
+
+def layer_names(name: str) -> list[tuple[str, str]]:
+    """(name, type) of the net's layers other than its Input layers: the order both the
+    purine net and ``torch_model`` run them in."""
+    return [(L.name, L.type) for L in train_net_param(name).layer if L.type != "Input"]
+
+
+def medians(samples: list[dict[str, list[float]]], names: list[str],
+            walls: list[float]) -> dict:
+    """Per-layer [fwd, bwd] medians of the iterations' samples, the median of the
+    iterations' totals (not the sum of the medians), and the median wall time (ms) of a
+    profiled forward+backward, which adds what runs between the layers' ops."""
+    rows = {n: [statistics.median(s[n][k] for s in samples) for k in (0, 1)] for n in names}
+    total = [statistics.median(sum(s[n][k] for n in names) for s in samples) for k in (0, 1)]
+    return {"rows": rows, "total": total, "wall": statistics.median(walls)}
+
+
+def run_purine_layers(name: str, iterations: int) -> dict:
+    """Each op's kernel time from the dispatcher's trace, summed per layer: forward ops in
+    [0], backward ops in [1]. The loss-weight seeds (the first backward ops) count towards
+    the backward of the loss layer they belong to."""
+    from purine.caffe import TRAIN, Net
+
+    data, label = inputs(name)
+    net = Net(train_net_param(name), phase=TRAIN)
+    net.blobs["data"].data[...] = data
+    net.blobs["label"].data[...] = label
+    names = [n for n, _ in layer_names(name)]
+    owner = {}
+    for L in net.builder.layers:
+        owner.update({op: (L.name, 0) for op in L.forward_ops})
+        owner.update({op: (L.name, 1) for op in L.backward_ops})
+    for op in net.builder.seed_ops:  # named "<loss layer>/LossWeight#i"
+        owner[op] = (op.name.split("/")[0], 1)
+    d = net.dispatcher
+    samples, walls = [], []
+    for i in range(LAYER_WARMUP + iterations):
+        d.profile, d.trace = i >= LAYER_WARMUP, []
+        t0 = time.perf_counter()
+        net.forward()
+        net.backward()
+        walls.append((time.perf_counter() - t0) * 1e3)
+        if d.profile:
+            ms = {n: [0.0, 0.0] for n in names}
+            for e in d.trace:
+                layer, k = owner[e.op]
+                ms[layer][k] += (e.end - e.start) * 1e3
+            samples.append(ms)
+    d.profile, d.trace = False, []
+    return medians(samples, names, walls[LAYER_WARMUP:])
+
+
+def run_torch_layers(name: str, iterations: int) -> dict:
+    """Forward: the ``record_function`` range around each layer's call. Backward: autograd
+    runs one node at a time on this thread; each "evaluate_function: XBackward0" event
+    belongs to the layer whose forward ops carry its sequence number, and the nodes without
+    one (AccumulateGrad of a layer's weights, which autograd runs right after that layer's
+    node; the loss's ones_like seed) to the layer of the node before them."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    data, label = inputs(name)
+    layers, weights = torch_model(name)
+    names = [n for n, _ in layer_names(name)]
+    x0, y0 = torch.from_numpy(data), torch.from_numpy(label)
+
+    def step() -> None:
+        blobs = {"data": x0, "label": y0}
+        for n, (top, b, fn) in zip(names, layers):
+            with record_function("layer:" + n):
+                blobs[top] = fn(*(blobs[x] for x in b)) if isinstance(b, tuple) else fn(blobs[b])
+        for w in weights:
+            w.grad = None
+        blobs[layers[-1][0]].backward()
+
+    def seqs(e, out: set[int]) -> set[int]:
+        if e.sequence_nr >= 0:
+            out.add(e.sequence_nr)
+        for c in e.cpu_children:
+            seqs(c, out)
+        return out
+
+    for _ in range(LAYER_WARMUP):
+        step()
+    samples, walls = [], []
+    for _ in range(iterations):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            step()
+            walls.append((time.perf_counter() - t0) * 1e3)
+        top_level = sorted((e for e in prof.events() if e.cpu_parent is None),
+                           key=lambda e: e.time_range.start)
+        ms = {n: [0.0, 0.0] for n in names}
+        seq_owner: dict[int, str] = {}
+        for e in top_level:
+            if e.name.startswith("layer:"):
+                ms[e.name[6:]][0] += e.cpu_time_total / 1e3
+                seq_owner.update(dict.fromkeys(seqs(e, set()), e.name[6:]))
+        current = names[-1]
+        for e in top_level:
+            if e.name.startswith("layer:"):
+                continue
+            if "evaluate_function" in e.name and e.sequence_nr >= 0:
+                current = seq_owner[e.sequence_nr]
+            ms[current][1] += e.cpu_time_total / 1e3
+        samples.append(ms)
+    return medians(samples, names, walls)
+
+
+def print_layers(net: str, ours: dict, theirs: dict) -> None:
+    print(f"{'layer':8s} {'type':16s} {'ours fwd':>9s} {'torch fwd':>9s} {'ours bwd':>9s} "
+          f"{'torch bwd':>9s}   (ms; purine convolutions: {purine_convolutions()})")
+    for n, t in layer_names(net):
+        (pf, pb), (tf, tb) = ours["rows"][n], theirs["rows"][n]
+        print(f"{n:8s} {t:16s} {pf:9.2f} {tf:9.2f} {pb:9.2f} {tb:9.2f}")
+    (pf, pb), (tf, tb) = ours["total"], theirs["total"]
+    print(f"{'total':8s} {'':16s} {pf:9.2f} {tf:9.2f} {pb:9.2f} {tb:9.2f}")
+    print(f"wall time of a profiled forward+backward: ours {ours['wall']:.2f} ms, "
+          f"torch {theirs['wall']:.2f} ms")
+
+
 def worker_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
@@ -214,12 +345,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--nets", default=",".join(NETS))
+    ap.add_argument("--layers", metavar="NET", choices=list(NETS),
+                    help="per-layer forward/backward times of NET, purine beside PyTorch")
     ap.add_argument("--worker", nargs=2, metavar=("FRAMEWORK", "NET"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         fw, net = args.worker
-        result = (run_purine if fw == "purine" else run_torch)(net, args.iterations)
-        print(json.dumps(result))
+        if args.layers:
+            run = run_purine_layers if fw == "purine" else run_torch_layers
+        else:
+            run = run_purine if fw == "purine" else run_torch
+        print(json.dumps(run(net, args.iterations)))
+        return
+    if args.layers:
+        # Both sides under the OpenMP wait policy purine sets when it loads oneDNN: spinning
+        # idle threads cost either side far more than their wake-up when other work shares
+        # the cores.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        flags = ["--iterations", str(args.iterations), "--layers", args.layers]
+        print_layers(args.layers, *in_workers(__file__, args.layers, flags))
         return
     print(f"{'net':15s} {'purine ms':>10s} {'torch ms':>10s} {'ratio':>6s} "
           f"{'purine MB':>10s} {'torch MB':>9s} {'ratio':>6s}   purine convolutions: "
