@@ -87,6 +87,7 @@ class NetBuilder:
         self.blob_names: list[str] = []  # in Caffe's order (net.blobs)
         self.layers: list[LayerBuild] = []
         self.initial: dict[Blob, np.ndarray] = {}
+        self._param_bytes: dict[tuple, int] = {}  # the parameters' bytes by memory space
         self.loss_tops: list[tuple[Blob, float]] = []
         self.seed_ops: list[Op] = []
         self._diffs: dict[str, Blob] = {}
@@ -170,8 +171,10 @@ class NetBuilder:
         if spec.name:
             self._shared[spec.name] = (layer, b)
         self._param_uses[b] = [(layer, k)]
-        held = sum(blob_nbytes(p) for p in self.initial if p.location.memory == location.memory)
-        check_capacity(location, blob_nbytes(b), held, f"parameter {k} {shape} {b.dtype}")
+        space, need = location.memory, blob_nbytes(b)
+        check_capacity(location, need, self._param_bytes.get(space, 0),
+                       f"parameter {k} {shape} {b.dtype}")
+        self._param_bytes[space] = self._param_bytes.get(space, 0) + need
         self.initial[b] = fill(filler or pb.FillerParameter(), shape, rng, layer)
         return b
 
