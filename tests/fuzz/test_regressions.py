@@ -17,15 +17,8 @@ from purine.formats.caffemodel import load_weights
 from purine.formats.prototxt import read_net
 from purine.formats.wire import len_field, length_fields
 from tests.fuzz.harness import check
+from tests.fuzz.test_solver_settings import NET
 
-NET = """name: "small"
-layer { name: "data" type: "DummyData" top: "x" top: "y" dummy_data_param {
-  shape { dim: 6 dim: 4 } shape { dim: 6 dim: 3 }
-  data_filler { type: "gaussian" std: 1 } data_filler { type: "gaussian" std: 1 } } }
-layer { name: "ip" type: "InnerProduct" bottom: "x" top: "p"
-  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.5 } } }
-layer { name: "loss" type: "EuclideanLoss" bottom: "p" bottom: "y" top: "loss" }
-"""
 SOLVER = f'net_param {{ {NET} }}\nbase_lr: 0.01\nlr_policy: "fixed"\nmax_iter: 10\n'
 
 
