@@ -428,7 +428,7 @@ class _Writer:
                               f'returns the dict of outputs {", ".join(_doc(o) for o in outputs)}'
                               '."""'.split(" ")), "",
                        "    def __init__(self) -> None:", "        super().__init__()",
-                       *self.init, "        self.eval()  # Caffe's TEST phase", ""]
+                       *self.init, "        self.train(False)  # Caffe's TEST phase", ""]
         lines += _wrap("def forward(", ["self"] + [f"{a}: torch.Tensor" for a in self.args],
                        ") -> dict[str, torch.Tensor]:", 4)
         lines += self.body
