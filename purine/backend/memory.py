@@ -4,6 +4,7 @@ before they allocate it, instead of failing deep inside numpy or being killed by
 
 from __future__ import annotations
 
+import functools
 import os
 
 from purine.graph import Location
@@ -12,6 +13,7 @@ _CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max",                     # cgroup v2
                   "/sys/fs/cgroup/memory/memory.limit_in_bytes")   # cgroup v1
 
 
+@functools.cache  # a machine's memory does not change while a process runs
 def _host_bytes() -> int | None:
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -33,14 +35,19 @@ def _host_bytes() -> int | None:
 def capacity(location: Location) -> int | None:
     """Bytes of memory in ``location``'s memory space; None when it cannot be told."""
     if location.device == "gpu":
-        try:
-            import cupy
-
-            with cupy.cuda.Device(location.index):
-                return int(cupy.cuda.runtime.memGetInfo()[1])
-        except Exception:  # no CuPy or no such device: allocation reports it  # noqa: BLE001
-            return None
+        return _device_bytes(location.index)
     return _host_bytes()
+
+
+@functools.cache
+def _device_bytes(index: int) -> int | None:
+    try:
+        import cupy
+
+        with cupy.cuda.Device(index):
+            return int(cupy.cuda.runtime.memGetInfo()[1])
+    except Exception:  # no CuPy or no such device: allocation reports it  # noqa: BLE001
+        return None
 
 
 def show_bytes(n: float) -> str:
