@@ -349,3 +349,18 @@ def test_stale_snapshot_temporaries_of_our_prefix_are_removed_at_start(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
     assert [x for x in lines.lines if x.startswith("Removed")] == [
         f"Removed {tmp_path / n}, left by a snapshot that was interrupted" for n in sorted(stale)]
+
+
+def test_an_empty_outer_size_with_an_inner_product_axis_past_1(tmp_path):
+    from purine.caffe import TEST, Net
+
+    # axis 2: m = 0 * 3 rows of 4 inputs each; the row length comes from the weight
+    text = ('force_backward: true\nlayer { name: "in" type: "Input" top: "x" input_param { '
+            'shape { dim: 0 dim: 3 dim: 4 } } }\n'
+            'layer { name: "ip" type: "InnerProduct" bottom: "x" top: "y" '
+            'inner_product_param { num_output: 5 axis: 2 } }')
+    with Net(net_file(tmp_path, text), TEST) as net:
+        net.forward()
+        net.backward()
+        assert net.blobs["y"].data.shape == (0, 3, 5)
+        assert net.params["ip"][0].diff.shape == (5, 4) and not net.params["ip"][0].diff.any()
