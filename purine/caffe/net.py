@@ -359,13 +359,14 @@ class NetBuilder:
                 L.param_need = [True] * len(L.params)
 
     def _sum_shared_diffs(self) -> None:
+        layers = {L.name: L for L in self.layers}
         for b, uses in self._param_uses.items():
             if len(uses) < 2:
                 continue
             parts = [self._use_diffs[use] for use in uses
                      if use in self._use_diffs and self.graph.writers(self._use_diffs[use])]
             if parts:
-                owner = next(L for L in self.layers if L.name == uses[0][0])
+                owner = layers[uses[0][0]]
                 op = self.graph.op(f"{b.name}/SumSharedDiff", "Sum", parts,
                                    [self.param_grad(b)], kernel(tensor.sum), self.location)
                 owner.backward_ops.append(op)
