@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from purine.caffe.layers.vision import pool_values, spatial_values
 from purine.converters import ConvertError, flag, run_main
-from purine.converters.deploy import conv_values, copy_every_layer, pool_values
+from purine.converters.deploy import copy_every_layer
 from purine.converters.progress import Progress
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write
@@ -214,10 +215,10 @@ def _convolution(ex: _Exporter, L: LayerBuild) -> None:
                               "channels on axis 1 only")
     weight = ex.param(L, 0)
     spatial = weight.ndim - 2
-    pad = conv_values(p, "pad", spatial, 0)
+    pad = spatial_values(L, p, "pad", spatial, 0)
     attrs = dict(kernel_shape=list(weight.shape[2:]),
-                 strides=conv_values(p, "stride", spatial, 1), pads=pad + pad,
-                 dilations=conv_values(p, "dilation", spatial, 1), group=p.group)
+                 strides=spatial_values(L, p, "stride", spatial, 1), pads=pad + pad,
+                 dilations=spatial_values(L, p, "dilation", spatial, 1), group=p.group)
     ins = [ex.const(f"{L.name}/weight", weight)]
     if p.bias_term:
         ins.append(ex.const(f"{L.name}/bias", ex.param(L, 1)))
@@ -266,9 +267,9 @@ def _pooling(ex: _Exporter, L: LayerBuild) -> None:
         return
     _, _, h, w = L.bottoms[0].shape
     _, _, ph, pw = ex.shape_of(L.param.top[0])
-    kernel = pool_values(p, "kernel", 0)
-    stride = pool_values(p, "stride", p.stride)
-    pad = pool_values(p, "pad", p.pad)
+    kernel = pool_values(L, p, "kernel", None)
+    stride = pool_values(L, p, "stride", p.stride)
+    pad = pool_values(L, p, "pad", p.pad)
     end_h, ratio_h = _pool_axis(L, "height", h, kernel[0], stride[0], pad[0], ph)
     end_w, ratio_w = _pool_axis(L, "width", w, kernel[1], stride[1], pad[1], pw)
     # Explicit end padding with floor rounding, not ceil_mode: where a ceil-rounded last

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from purine.caffe.layers.vision import pool_values, spatial_values
 from purine.converters import ConvertError, flag, run_main
-from purine.converters.deploy import conv_values, copy_every_layer, pool_values
+from purine.converters.deploy import copy_every_layer
 from purine.converters.progress import Progress
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write
@@ -494,7 +495,7 @@ def _convolution(w: _Writer, L: LayerBuild) -> None:
     channels, outputs = L.bottoms[0].shape[1], p.num_output
     args = [str(channels), str(outputs), f"kernel_size={_ints(weight.shape[2:])}"]
     for name, default in (("stride", 1), ("pad", 0), ("dilation", 1)):
-        values = conv_values(p, name, spatial, default)
+        values = spatial_values(L, p, name, spatial, default)
         if any(v != default for v in values):
             args.append(f"{'padding' if name == 'pad' else name}={_ints(values)}")
     if p.group != 1:
@@ -518,9 +519,9 @@ def _pooling(w: _Writer, L: LayerBuild) -> None:
     if p.global_pooling:
         args.append("global_pooling=True")
     else:
-        args += [f"kernel={pool_values(p, 'kernel', 0)}",
-                 f"stride={pool_values(p, 'stride', p.stride)}",
-                 f"pad={pool_values(p, 'pad', p.pad)}"]
+        args += [f"kernel={pool_values(L, p, 'kernel', None)}",
+                 f"stride={pool_values(L, p, 'stride', p.stride)}",
+                 f"pad={pool_values(L, p, 'pad', p.pad)}"]
         if p.round_mode == _POOL.FLOOR:
             args.append("ceil=False")
     w.need("Pooling")

@@ -22,7 +22,7 @@ def _no_in_place(L: LayerBuild) -> None:
                           "its own name")
 
 
-def _spatial_values(L: LayerBuild, p: pb.ConvolutionParameter, name: str, spatial: int,
+def spatial_values(L: LayerBuild, p: pb.ConvolutionParameter, name: str, spatial: int,
                     default: int) -> list[int]:
     """Caffe's kernel_size / stride / pad / dilation: the _h/_w pair (2-d only), else the
     repeated field given once or once per spatial axis, else ``default``."""
@@ -49,10 +49,10 @@ def _conv_window(L: LayerBuild, p: pb.ConvolutionParameter, spatial: int
                  ) -> tuple[list[int], list[int], list[int], list[int]]:
     """Kernel size, stride, pad and dilation per spatial axis, as a convolution_param gives
     them; all but the pad must be positive."""
-    kernel = _spatial_values(L, p, "kernel", spatial, -1)
-    stride = _spatial_values(L, p, "stride", spatial, 1)
-    pad = _spatial_values(L, p, "pad", spatial, 0)
-    dilation = _spatial_values(L, p, "dilation", spatial, 1)
+    kernel = spatial_values(L, p, "kernel", spatial, -1)
+    stride = spatial_values(L, p, "stride", spatial, 1)
+    pad = spatial_values(L, p, "pad", spatial, 0)
+    dilation = spatial_values(L, p, "dilation", spatial, 1)
     for what, values in (("kernel size", kernel), ("stride", stride), ("dilation", dilation)):
         if min(values) < 1:
             raise L.error(f"{what} must be positive, got {values}")
@@ -157,7 +157,7 @@ def convolution(L: LayerBuild):
     return backward
 
 
-def _pool_values(L: LayerBuild, p: pb.PoolingParameter, name: str, default: int | None
+def pool_values(L: LayerBuild, p: pb.PoolingParameter, name: str, default: int | None
                  ) -> tuple[int, int]:
     """Caffe's ``name`` OR ``name``_h and ``name``_w, not both."""
     single, has_h, has_w = (p.HasField(name if name != "kernel" else "kernel_size"),
@@ -237,9 +237,9 @@ def pooling_layer(L: LayerBuild):
             raise L.error("with global_pooling: true the kernel size cannot be given")
         kernel = (h, w)
     else:
-        kernel = _pool_values(L, p, "kernel", None)
-    pad = _pool_values(L, p, "pad", p.pad)
-    stride = _pool_values(L, p, "stride", p.stride)
+        kernel = pool_values(L, p, "kernel", None)
+    pad = pool_values(L, p, "pad", p.pad)
+    stride = pool_values(L, p, "stride", p.stride)
     if p.global_pooling and (pad != (0, 0) or stride != (1, 1)):
         raise L.error(f"with global_pooling: true only pad 0 and stride 1 are allowed, got "
                       f"pad {pad} and stride {stride}")
