@@ -48,6 +48,8 @@ if not os.environ.get("PURINE_BENCH_CHILD"):  # a probe keeps the settings it wa
     os.environ.setdefault("OMP_NUM_THREADS", str(CORES))
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("ONEDNN_VERBOSE", "0")
+# "ours" is purine's numpy kernels: its ops would otherwise call oneDNN themselves
+os.environ.setdefault("PURINE_ONEDNN", "0")
 if "NUMBA_CACHE_DIR" not in os.environ:  # keep numba's cache out of the checkout
     os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="purine-bench-numba-")
     atexit.register(shutil.rmtree, os.environ["NUMBA_CACHE_DIR"], ignore_errors=True)

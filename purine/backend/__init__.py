@@ -358,17 +358,12 @@ def one_blas_thread() -> Iterator[None]:
         with threadpool_limits(1, user_api="blas"):
             yield
         return
-    get_set = _openblas_threads()
-    if get_set is None:
-        yield
-        return
-    get, set_ = get_set
-    before = get()
-    set_(1)
+    before = set_blas_threads(1)
     try:
         yield
     finally:
-        set_(before)
+        if before is not None:
+            set_blas_threads(before)
 
 
 def set_blas_threads(n: int) -> int | None:

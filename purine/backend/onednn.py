@@ -156,6 +156,9 @@ class _Primitive:
             args.append(_ExecArg(arg, op.mem.value))
         self.prim = dnnl.primitive(pd)
         self.args = (_ExecArg * len(args))(*args)
+        # what a call executes: the inputs' reorders, the primitive, the outputs' reorders
+        self.steps = ([op.reorder for op in self.inputs if op.reorder] + [(self.prim, self.args)]
+                      + [op.reorder for op in self.outputs if op.reorder])
 
     def run(self, *arrays: np.ndarray) -> None:
         d = self.dnnl
@@ -167,10 +170,7 @@ class _Primitive:
                 if op.blocked_bytes:
                     lib.dnnl_memory_set_data_handle(op.mem, d.scratch(slot, op.blocked_bytes))
                     slot += 1
-            steps = [op.reorder for op in self.inputs if op.reorder]
-            steps.append((self.prim, self.args))
-            steps += [op.reorder for op in self.outputs if op.reorder]
-            for prim, args in steps:
+            for prim, args in self.steps:
                 status = lib.dnnl_primitive_execute(prim, d.stream, len(args), args)
                 if status:
                     raise PurineError(f"oneDNN: a primitive failed with status {status}")
