@@ -48,23 +48,19 @@ def images(name: str, n: int):
 
 
 def write_lmdb(name: str, path: str, n: int) -> None:
-    import lmdb
-
+    from purine.converters.convert_imageset import write_datums
     from purine.formats import caffe_pb2 as pb
 
     x, y = images(name, n)
-    env = lmdb.open(path, map_size=1 << 32)
-    with env.begin(write=True) as txn:
-        for i in range(n):
-            d = pb.Datum(channels=x.shape[1], height=x.shape[2], width=x.shape[3],
-                         data=x[i].tobytes(), label=int(y[i]))
-            txn.put(f"{i:08d}".encode(), d.SerializeToString())
-    env.close()
+    write_datums(path, ((f"{i:08d}", pb.Datum(channels=x.shape[1], height=x.shape[2],
+                                               width=x.shape[3], data=x[i].tobytes(),
+                                               label=int(y[i]))) for i in range(n)), total=n)
 
 
 def run_purine(name: str, iterations: int, records: int) -> dict:
     from purine.caffe.solver import Solver
     from purine.formats import caffe_pb2 as pb
+    from purine.formats.prototxt import parse_text
 
     channels, size, transform, lr, decay = SETTINGS[name]
     batch = NETS[name][1][0]
@@ -72,13 +68,10 @@ def run_purine(name: str, iterations: int, records: int) -> dict:
         db = os.path.join(tmp, "train_lmdb")
         write_lmdb(name, db, records)
         net = train_net_param(name)  # Input stand-ins; the data layer goes back in below
-        data = pb.LayerParameter()
-        from google.protobuf import text_format
-
-        text_format.Merge(f'name: "data" type: "Data" top: "data" top: "label" '
-                          f'transform_param {{ {transform} }} data_param {{ source: "{db}" '
-                          f'backend: LMDB batch_size: {batch} }}', data)
-        net.layer[0].CopyFrom(data)
+        net.layer[0].CopyFrom(parse_text(
+            f'name: "data" type: "Data" top: "data" top: "label" transform_param '
+            f'{{ {transform} }} data_param {{ source: "{db}" backend: LMDB batch_size: {batch} }}',
+            pb.LayerParameter()))
         param = pb.SolverParameter(base_lr=lr, momentum=0.9, weight_decay=decay,
                                    lr_policy="fixed", max_iter=iterations + WARMUP,
                                    random_seed=1, display=0, snapshot_after_train=False)
