@@ -98,6 +98,25 @@ def _gpus(args: argparse.Namespace, default: str | None = None) -> list[int]:
     return ids
 
 
+def _local_gpu(comm) -> str:
+    """``--gpu local``: the GPU whose id is this rank's index among the ranks on its machine
+    (one rank per GPU, whatever the launcher's numbering)."""
+    from purine.backend import gpu_count, gpu_unavailable
+    from purine.parallel.mpi import local_rank
+
+    if comm is None:
+        raise PurineError("--gpu local gives each MPI rank one GPU by its rank on its machine; "
+                          "launch with mpirun, or give GPU ids")
+    k = local_rank(comm)  # collective: every rank asks before any may fail
+    why = gpu_unavailable()
+    if why is not None:
+        raise PurineError(f"--gpu local: {why}; run without --gpu to use the CPU")
+    if k >= gpu_count():
+        raise PurineError(f"--gpu local: rank {comm.rank} is rank {k} on its machine, which "
+                          f"has {gpu_count()} GPU(s); start at most that many ranks per machine")
+    return str(k)
+
+
 def _location(gpus: list[int]):
     from purine.graph import CPU, Location
 
@@ -119,9 +138,6 @@ def _train(args: argparse.Namespace, comm) -> int:
     from purine.parallel import build_solver
 
     log = get_logger()
-    if comm is not None:
-        log.info("MPI: %d ranks x %d replicas (%d replicas in all)", comm.size, args.replicas,
-                 comm.size * args.replicas)
     if args.weights and args.snapshot:
         raise PurineError("give --snapshot to resume training or --weights to fine-tune, "
                           "not both")
@@ -141,10 +157,18 @@ def _train(args: argparse.Namespace, comm) -> int:
             log.info("solver_mode is GPU: using GPU %s", default)
         else:
             log.warning("solver_mode is GPU but %s; training on the CPU", why)
-    gpus = _gpus(args, default)
-    if gpus and comm is not None:
-        raise PurineError("--gpu with MPI is not supported; train on several GPUs in one "
-                          "process with --gpu 0,1,...")
+    if args.gpu and args.gpu.strip() == "local":
+        args.gpu = _local_gpu(comm)
+    gpus = _gpus(args, default)  # under MPI: these GPUs on every rank, one NCCL communicator
+    if comm is not None:
+        from purine.parallel.mpi import same_on_every_rank
+
+        # collective, before any rank builds: a rank on the CPU beside ranks on GPUs, or
+        # ranks of unequal GPU counts, would issue different collectives
+        same_on_every_rank(comm, len(gpus), "the number of GPUs (--gpu)")
+        per_rank = len(gpus) if len(gpus) > 1 else args.replicas
+        log.info("MPI: %d ranks x %d replicas (%d replicas in all)", comm.size, per_rank,
+                 comm.size * per_rank)
     if gpus and args.staleness is not None:
         raise PurineError("--async runs on the CPU; drop --gpu or --async")
     if len(gpus) > 1 and args.replicas > 1:
@@ -159,6 +183,9 @@ def _train(args: argparse.Namespace, comm) -> int:
         seed = snapshot_seed(args.snapshot)
         if seed is not None:
             param.random_seed = seed
+    if args.placement and args.staleness is not None:
+        raise PurineError("--placement with --async is not supported: a placed net trains "
+                          "synchronously")
     if args.staleness is not None:  # asynchronous: a parameter server and stale replicas
         if comm is not None:
             raise PurineError("--async trains in one process; it cannot be combined with MPI")
@@ -175,7 +202,11 @@ def _train(args: argparse.Namespace, comm) -> int:
             log.info("Training on GPUs %s (one replica each)", ",".join(map(str, gpus)))
         solver = build_solver(param, path=args.solver, threads=args.threads, log=log,
                               replicas=replicas, comm=comm, replica_locations=others,
-                              location=_location(gpus), share_memory=args.share_memory)
+                              location=_location(gpus), share_memory=args.share_memory,
+                              placement=args.placement)
+        if args.placement:
+            log.info("Placement %s: each layer it names runs where it says, split into towers "
+                     "where it gives several locations", args.placement)
     with solver:  # closed on the way out, an error's too: its databases are free again
         if args.trace and args.staleness is not None:  # async: trace one push up front
             if args.snapshot:
@@ -288,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
                "from (copied by layer name); replaces the solver's weights field")
     _flag(p, "snapshot", default=None,
           help="a .solverstate (or .solverstate.h5) to resume training from")
-    _flag(p, "gpu", default=None, help="GPU ids: 0, or 0,1 (one replica each), or all")
+    _flag(p, "gpu", default=None,
+          help="GPU ids: 0, or 0,1 (one replica each), or all; under mpirun the same ids on "
+               "every rank, or local: one GPU per rank, by its rank on its machine")
     _flag(p, "tf32", action="store_true",
           help="TF32 tensor cores in GPU matrix products (faster, ~1e-3 relative error)")
     _flag(p, "iterations", type=_COUNT, default=None, help="override the solver's max_iter")
@@ -320,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "rank 0 alone logs and snapshots")
     _flag(p, "trace", default=None,
           help="write a Chrome trace (chrome://tracing, Perfetto) of the first iteration")
+    _flag(p, "placement", default=None,
+          help="a placement file (model parallelism): where each named layer runs and "
+               "updates its parameters; a layer given several locations is split into towers; "
+               "snapshots stay the unsplit net's files")
     p.set_defaults(run=cmd_train)
 
     p = sub.add_parser("test", help="score a model: run the TEST net and average outputs")

@@ -161,20 +161,62 @@ class Scheme:
         """The private snapshot state to write; None where this process writes nothing."""
         return private
 
+    def gather_trace(self, events: list[dict]) -> list[dict] | None:
+        """The trace rows (purine.runtime.trace) to write, from this process's; None where
+        this process writes none."""
+        return events if self.root else None
+
+    # Model parallelism builds the nets from a rewritten net (layers split into towers) and
+    # keeps the files in the user's net's layout: these four points are where it does so.
+    def make_net(self, param: pb.NetParameter, **kwargs: Any) -> Net:
+        """One of the solver's nets (the train net, each test net)."""
+        return Net(param, **kwargs)
+
+    def save_weights(self, net: Net, path: str, hdf5: bool) -> None:
+        """Write ``net``'s parameters as a caffemodel (``.h5`` when ``hdf5``)."""
+        if hdf5:
+            net.save_hdf5(path)
+        else:
+            net.save(path)
+
+    def load_weights(self, net: Net, path: str) -> None:
+        """Copy a caffemodel's parameters into ``net`` by layer name."""
+        net.copy_from(path)
+
+    def history_layout(self, params: list[Blob]) -> HistoryLayout:
+        """How one history group (an array per parameter in ``params``, the train net's
+        learnable parameters) is laid out in a solver state file."""
+        return HistoryLayout(params)
+
+
+class HistoryLayout:
+    """A solver state's history group as the train net holds it: ``params`` names and
+    shapes the file's entries; ``to_file`` / ``from_file`` convert the arrays."""
+
+    def __init__(self, params: Sequence[Blob]):
+        self.params = list(params)
+
+    def to_file(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return arrays
+
+    def from_file(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        return arrays
+
 
 class Solver:
     """``Solver(solver_prototxt)``: the train net, its test nets sharing its weights, the
     update subgraph, and ``step`` / ``solve`` / ``snapshot`` / ``restore``.
 
-    ``scheme`` spreads the training over replicas and processes (purine.parallel's
-    ``build_solver(..., replicas=N, comm=...)`` makes one): it rewrites the train net's graph
-    before the update ops are added, and the loop runs the graph it is given."""
+    ``scheme`` spreads the training over replicas, processes and locations (purine.parallel's
+    ``build_solver(..., replicas=N, comm=..., placement=...)`` makes one): it builds the nets
+    and rewrites the train net's graph before the update ops are added, and the loop runs the
+    graph it is given. ``dtype``: the nets' float type (float64 for exact comparisons)."""
 
     def __init__(self, source: str | os.PathLike | pb.SolverParameter, *,
                  level: int | None = None, stages: Sequence[str] | None = None,
                  threads: int = 1, log=None, path: str | None = None,
                  scheme: Scheme | None = None, location: Location = CPU,
-                 share_memory: bool = False):
+                 share_memory: bool = False, dtype: str = "float32"):
         self.scheme = scheme = scheme or Scheme()
         if path is None:
             path = os.fspath(source) if isinstance(source, str | os.PathLike) else ""
@@ -204,9 +246,10 @@ class Solver:
         self.closed = False
         self.test_nets: list[Net] = []
         try:
-            self.net = Net(train_param, phase=TRAIN, level=lv, stages=st,
-                           seed=seed + scheme.first, threads=threads,
-                           replica=(scheme.first, scheme.total), location=location)
+            self.net = scheme.make_net(train_param, phase=TRAIN, level=lv, stages=st,
+                                       seed=seed + scheme.first, threads=threads,
+                                       replica=(scheme.first, scheme.total),
+                                       location=location, dtype=dtype)
             self.net.rebuilder = self._reshape_net  # its update ops are rebuilt with it
             self._check_regularization()
             self.trace_path: str | None = None  # write a Chrome trace of the next iteration
@@ -214,8 +257,9 @@ class Solver:
             for i, tp in enumerate(test_params):
                 s = p.test_state[i] if i < len(p.test_state) else pb.NetState()
                 lv, st = state(s)
-                self.test_nets.append(Net(tp, phase=TEST, level=lv, stages=st, seed=seed,
-                                          threads=threads, location=location))
+                self.test_nets.append(scheme.make_net(tp, phase=TEST, level=lv, stages=st,
+                                                      seed=seed, threads=threads,
+                                                      location=location, dtype=dtype))
             self.share_memory = share_memory
             self._build_train()
             self.smoothed: deque[float] = deque(maxlen=max(1, p.average_loss))
@@ -330,7 +374,7 @@ class Solver:
                 self.log.info("Finetuning from %s", path)
                 try:
                     for net in [self.net] + self.test_nets:
-                        net.copy_from(path)
+                        self.scheme.load_weights(net, path)
                 except PurineError as e:
                     raise self._refuse("weights", str(e)) from None
 
@@ -392,6 +436,12 @@ class Solver:
         self.iter = it
 
     def _build_update(self) -> None:
+        """The update subgraph. Each parameter's update ops run where the parameter lives:
+        at the scheme's server in the server's memory space, else at the parameter's own
+        location (model parallelism). The iteration and rate blobs live once, at the server;
+        a Copy op per other memory space feeds them there each iteration (two scalars: one
+        counter to snapshot and restore, and no second rate computation to keep in step).
+        Gradient clipping sums squares per memory space and sends the sums home."""
         p, net = self.param, self.net
         b, g = net.builder, net.graph
         loc = self.scheme.server or b.location
@@ -400,20 +450,43 @@ class Solver:
         self._iter_host = 0  # the counter blob's value, known without reading a GPU
         ops: list[Op] = []
 
-        def op(name: str, fn, ins, outs, **params) -> Op:
-            o = g.op(f"solver/{name}", fn.__name__, ins, outs, kernel(fn, **params), loc)
+        def op(name: str, fn, ins, outs, at: Location = loc, **params) -> Op:
+            kind = "Copy" if fn is tensor.copy else fn.__name__  # the engine's Copy op
+            o = g.op(f"solver/{name}", kind, ins, outs, kernel(fn, **params), at)
             ops.append(o)
             return o
+
+        def where(w: Blob) -> Location:
+            return loc if w.location.memory == loc.memory else w.location
+
+        def space(at: Location) -> str:
+            return "" if at.memory == loc.memory else "@" + str(at).rsplit("/t", 1)[0]
 
         op("lr", so.learning_rate, [self._it], [self._lr], **self._lr_params())
         kernel_fn, n_hist = so.SOLVERS[p.type]
         self.updates: list[_ParamUpdate] = []
         for w in b.learnable_params:
             u = _ParamUpdate(w, b.param_grad(w))
-            u.history = [g.blob(f"solver/{w.name}@history{k}", w.shape, w.dtype, loc)
+            u.history = [g.blob(f"solver/{w.name}@history{k}", w.shape, w.dtype, where(w))
                          for k in range(n_hist)]
             self.updates.append(u)
         active = [u for u in self.updates if u.param.meta["lr_mult"] != 0]
+        remote: dict[tuple, Location] = {}  # other memory spaces with active parameters
+        for u in active:
+            if space(where(u.param)):
+                remote.setdefault(where(u.param).memory, where(u.param))
+
+        def feed(blob: Blob) -> dict[tuple, Blob]:
+            """``blob`` (at the server) and a copy of it in each other memory space."""
+            out = {loc.memory: blob}
+            for key, at in remote.items():
+                out[key] = g.blob(f"{blob.name}{space(at)}", blob.shape, blob.dtype, at)
+                op(f"{blob.name.removeprefix('solver/')}{space(at)}", tensor.copy, [blob],
+                   [out[key]], at=at)
+            return out
+
+        lr = feed(self._lr)
+        it = feed(self._it) if p.type == "Adam" else {}
 
         # iter_size > 1: gradients are summed into accumulators over the passes.
         self.zero_ops: list[Op] = []
@@ -421,29 +494,47 @@ class Solver:
         grads = {u.param: u.grad for u in active}
         if p.iter_size > 1:
             for u in active:
+                at = where(u.param)
                 acc = g.blob(f"solver/{u.param.name}@accumulated", u.param.shape,
-                             u.param.dtype, loc)
+                             u.param.dtype, at)
                 self.zero_ops.append(g.op(f"solver/{u.param.name}/zero", "Fill", [], [acc],
-                                          kernel(tensor.fill, value=0.0), loc))
+                                          kernel(tensor.fill, value=0.0), at))
                 self.accumulate_ops.append(g.op(
                     f"solver/{u.param.name}/accumulate", "Accumulate", [u.grad, acc], [acc],
-                    kernel(tensor.accumulate), loc))
+                    kernel(tensor.accumulate), at))
                 grads[u.param] = acc
         scale = g.blob("solver/clip_scale", (), "float64", loc)
         if p.clip_gradients >= 0:
-            op("clip", so.gradient_scale, [grads[u.param] for u in active], [scale],
-               clip=p.clip_gradients)
+            sums = []  # each other memory space's sum of squares, sent to the server
+            for key, at in remote.items():
+                here = [grads[u.param] for u in active if where(u.param).memory == key]
+                part = g.blob(f"solver/clip_sumsq{space(at)}", (), here[0].dtype, at)
+                home = g.blob(f"solver/clip_sumsq{space(at)}@home", (), here[0].dtype, loc)
+                op(f"clip_sumsq{space(at)}", so.sum_of_squares, here, [part], at=at)
+                op(f"clip_sumsq{space(at)}@home", tensor.copy, [part], [home])
+                sums.append(home)
+            op("clip", so.gradient_scale, [grads[u.param] for u in active
+                                           if not space(where(u.param))] + sums, [scale],
+               clip=p.clip_gradients, partials=len(sums))
         else:
             op("clip", tensor.fill, [], [scale], value=1.0)
+        scales = {loc.memory: scale}
+        for key, at in remote.items():  # the factor, or 1 where nothing clips
+            scales[key] = g.blob(f"solver/clip_scale{space(at)}", (), "float64", at)
+            if p.clip_gradients >= 0:
+                op(f"clip_scale{space(at)}", tensor.copy, [scale], [scales[key]], at=at)
+            else:
+                op(f"clip{space(at)}", tensor.fill, [], [scales[key]], at=at, value=1.0)
         reg = p.regularization_type
         for u in active:
-            w, gr = u.param, grads[u.param]
-            op(f"{w.name}/prepare", so.prepare_gradient, [w, gr, scale], [gr],
+            w, gr, at = u.param, grads[u.param], where(u.param)
+            m = at.memory
+            op(f"{w.name}/prepare", so.prepare_gradient, [w, gr, scales[m]], [gr], at=at,
                iter_size=p.iter_size, decay=p.weight_decay * w.meta["decay_mult"],
                regularization=reg)
-            ins = [gr, self._lr] + ([self._it] if p.type == "Adam" else []) + [w] + u.history
-            op(f"{w.name}/update", kernel_fn, ins, [w] + u.history, lr_mult=w.meta["lr_mult"],
-               **self._rule_params())
+            ins = [gr, lr[m]] + ([it[m]] if p.type == "Adam" else []) + [w] + u.history
+            op(f"{w.name}/update", kernel_fn, ins, [w] + u.history, at=at,
+               lr_mult=w.meta["lr_mult"], **self._rule_params())
         op("next_iter", tensor.add_scalar, [self._it], [self._it], value=1.0)
         self.update_ops = ops
 
@@ -533,18 +624,28 @@ class Solver:
     def trace_iteration(self, path: str | os.PathLike) -> float:
         """Run one iteration with the dispatcher's profiler on and write its Chrome trace;
         returns the iteration's loss."""
-        from purine.runtime.trace import write_chrome_trace
+        from purine.data import prefetch
+        from purine.runtime.trace import SPANS, trace_rows, write_chrome_trace
 
         d = self.net.dispatcher
         d.profile, d.trace = True, []
+        prefetch.spans = SPANS  # the data threads' spans join the ops' events
+        SPANS.start()
         try:
             loss = self._iteration()
         finally:
             d.profile = False
-        if self.scheme.root:
-            write_chrome_trace(d.trace, path)
-            self.log.info("Wrote the trace of iteration %d to %s", self.iter - 1, path)
+            spans = SPANS.stop()
+        # The parameter server: where update ops ran and the train net's own pass did not
+        # (a replicas' all-reduce thread, the async server).
+        forward = set(self.net._forward_ops)
+        passed = {e.op.location for e in d.trace if e.op in forward}
+        servers = {o.location for o in self.update_ops} - passed
+        rows = self.scheme.gather_trace(trace_rows(d.trace, spans, servers))  # collective
         d.trace = []
+        if rows is not None:
+            write_chrome_trace(rows, path)
+            self.log.info("Wrote the trace of iteration %d to %s", self.iter - 1, path)
         return loss
 
     def step(self, iters: int) -> None:
@@ -668,7 +769,7 @@ class Solver:
             self._snapshot_hdf5(model, state, private)
             return model, state
         self.log.info("Snapshotting to binary proto file %s", model)
-        self.net.save(model)
+        self.scheme.save_weights(self.net, model, hdf5=False)
         self.log.info("Snapshotting solver state to binary proto file %s", state)
         atomic_write(state, self.encode_state(model, private))
         return model, state
@@ -676,12 +777,11 @@ class Solver:
     def _snapshot_hdf5(self, model: str, state: str, private: dict) -> None:
 
         self.log.info("Snapshotting to HDF5 file %s", model)
-        self.net.save_hdf5(model)
+        self.scheme.save_weights(self.net, model, hdf5=True)
         self.log.info("Snapshotting solver state to HDF5 file %s", state)
-        d = self.net.dispatcher
         write_state(state, SolverStateH5(
             iter=self.iter, learned_net=model, current_step=self._current_step(),
-            history=[to_host(d.array(h)) for h in self._history()],
+            history=self._history_arrays(),
             private=json.dumps(private)))
 
     def _history(self) -> list[Blob]:
@@ -690,13 +790,23 @@ class Solver:
         n = len(self.updates[0].history) if self.updates else 0
         return [u.history[k] for k in range(n) for u in self.updates]
 
+    def _history_arrays(self) -> list[np.ndarray]:
+        """The history as a solver state file holds it (the scheme's layout), in Caffe's
+        order."""
+        d, layout = self.net.dispatcher, self._history_layout()
+        n = len(self.updates[0].history) if self.updates else 0
+        return [a for k in range(n) for a in layout.to_file(
+            [to_host(d.array(u.history[k])) for u in self.updates])]
+
+    def _history_layout(self) -> HistoryLayout:
+        return self.scheme.history_layout([u.param for u in self.updates])
+
     def encode_state(self, model_path: str, private: dict | None = None) -> Chunks:
         head = pb.SolverState(iter=self.iter, learned_net=model_path,
                               current_step=self._current_step()).SerializeToString()
-        d = self.net.dispatcher
         parts: Chunks = [head]
-        for h in self._history():
-            parts += nested_field(3, blob_chunks(to_host(d.array(h))))
+        for a in self._history_arrays():
+            parts += nested_field(3, blob_chunks(a))
         private = self._private_state() if private is None else private
         parts += len_field(PRIVATE_STATE_FIELD, json.dumps(private).encode())
         return parts
@@ -758,14 +868,19 @@ class Solver:
             raise PurineError(f"{where}: iter is {it}; a solver state's iteration must be 0 "
                               "or more")
         if learned_net:
-            self.net.copy_from(learned_net)
-        hist = self._history()
-        if len(history) != len(hist):
+            self.scheme.load_weights(self.net, learned_net)
+        layout, hist = self._history_layout(), self._history()
+        m = len(layout.params)
+        need = len(hist) // len(self.updates) * m if self.updates else 0
+        if len(history) != need:
             raise PurineError(f"{where}: {len(history)} history {noun}, the "
-                              f"'{self.param.type}' solver of this net needs {len(hist)}")
-        d = self.net.dispatcher
-        for k, (value, h) in enumerate(zip(history, hist, strict=True)):
-            assign(d.array(h), fit(k, value, h))
+                              f"'{self.param.type}' solver of this net needs {need}")
+        arrays = [fit(k, value, layout.params[k % m]) for k, value in enumerate(history)]
+        d, n = self.net.dispatcher, len(self.updates)
+        for g in range(need // m if m else 0):  # each history group: one per parameter
+            group = layout.from_file(arrays[g * m:(g + 1) * m])
+            for h, a in zip(hist[g * n:(g + 1) * n], group, strict=True):
+                assign(d.array(h), a)
         self.iter = it
 
     def _current_step(self) -> int:

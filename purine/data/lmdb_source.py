@@ -16,7 +16,7 @@ import numpy as np
 
 from purine.data import DataError
 from purine.data.datum import datum_image, decode_flag, parse_datum, show_key
-from purine.data.prefetch import Batch, BufferPool, stream_batch
+from purine.data.prefetch import Batch, BufferPool, data_span, stream_batch
 from purine.data.transformer import Shape, Transformer
 
 
@@ -236,15 +236,19 @@ class DatumBatches:
 
     def read(self, r: DatumReader, k: int, pool: BufferPool) -> Batch:
         g = stream_batch(k, self.replica)  # the batch's number in database order
-        recs = r.records(self.skip + g * self.batch_size, self.batch_size)
-        images, labels = [], np.empty(self.batch_size, self.dtype)
-        for i, (key, value) in enumerate(recs):
-            where = self.where(key)
-            d = parse_datum(value, where)
-            images.append(datum_image(d, self.flag, where))
-            labels[i] = d.label
-        out = pool.array((self.batch_size,) + self.shape, self.dtype)
-        rng = (np.random.default_rng([self.seed, self.index, g])
-               if self.transformer.random else None)
-        self.transformer(images, out, rng, lambda i: self.where(recs[i][0]))
+        # The three stages as spans of a trace (no cost when none is taken).
+        with data_span("read"):
+            recs = r.records(self.skip + g * self.batch_size, self.batch_size)
+        with data_span("decode"):
+            images, labels = [], np.empty(self.batch_size, self.dtype)
+            for i, (key, value) in enumerate(recs):
+                where = self.where(key)
+                d = parse_datum(value, where)
+                images.append(datum_image(d, self.flag, where))
+                labels[i] = d.label
+        with data_span("transform"):
+            out = pool.array((self.batch_size,) + self.shape, self.dtype)
+            rng = (np.random.default_rng([self.seed, self.index, g])
+                   if self.transformer.random else None)
+            self.transformer(images, out, rng, lambda i: self.where(recs[i][0]))
         return (out, labels) if self.labels else (out,)

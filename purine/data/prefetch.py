@@ -2,7 +2,8 @@
 bounded queue, so that reading, decoding and transforming overlap computation. The batch
 number handed out next is the data cursor a snapshot keeps; restoring it restarts the
 thread there. An error in the thread is raised by the forward op, naming the record.
-``close()`` joins the thread and releases the batches' source (its database handle)."""
+``close()`` joins the thread and releases the batches' source (its database handle). While
+a trace is taken, the thread records a span per batch (``spans``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -69,6 +71,27 @@ class PooledBatches:
 
     def read(self, k: int, pool: BufferPool) -> Batch:
         raise NotImplementedError
+
+
+class NoSpans:
+    """The span recorder until one is installed: its spans record nothing."""
+
+    _none = nullcontext()
+
+    def span(self, name: str, cat: str = "", args: dict | None = None) -> nullcontext:
+        return self._none
+
+
+spans: Any = NoSpans()
+"""Where data threads record the spans of a trace: an object whose ``span(name, cat, args)``
+is a context manager. The solver installs purine.runtime.trace.SPANS (data knows nothing of
+the runtime); while no trace is taken a span costs an empty ``with`` block."""
+
+
+def data_span(name: str, args: dict | None = None) -> AbstractContextManager:
+    """``with data_span("decode"):`` records the block as a span of the data category."""
+    return spans.span(name, "data", args)
+
 
 _POLL_S = 0.1  # how often a blocked thread checks whether it should stop
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -160,13 +183,20 @@ class Prefetcher:
     def _start(self) -> None:
         self._queue = queue.Queue(maxsize=self.depth)
         self._stop = threading.Event()
-        t = threading.Thread(target=_produce, name=f"prefetch {self.name}", daemon=True,
+        t = threading.Thread(target=_produce, name=self.thread_name(), daemon=True,
                              args=(self.make_reader, self.pool, self.position, self._queue,
                                    self._stop, self.uploader))
         # The thread holds no reference to this object: once the layer is gone, it stops.
         weakref.finalize(self, self._stop.set)
         t.start()
         self._thread = t
+
+    def thread_name(self) -> str:
+        """The thread's name, its track in a trace: ``prefetch <name>``, with the replica
+        when the batches' owner (whose ``reader`` makes them) reads for replica r of R > 1."""
+        owner = getattr(self.make_reader, "__self__", None)
+        r, count = getattr(owner, "replica", (0, 1))
+        return f"prefetch {self.name}" + (f" (replica {r})" if count > 1 else "")
 
     def stop(self, wait: float = 0.0) -> None:
         """Stop the thread (at most ``wait`` seconds for it to finish) and drop its batches."""
@@ -205,8 +235,14 @@ def _produce(make_reader: Callable[[BufferPool], Reader], pool: BufferPool, firs
     try:
         while not stop.is_set():
             try:
-                batch = read(k)
-                item = (k, batch if upload is None else upload(batch), None)
+                # One span per batch on this thread's track; the reader records its stages
+                # (read, decode, transform) inside it while a trace is taken.
+                with data_span(f"batch {k}", {"batch": k}):
+                    batch = read(k)
+                    if upload is not None:
+                        with data_span("upload"):
+                            batch = upload(batch)
+                item = (k, batch, None)
             except BaseException as e:
                 item = (k, None, e)
             if not _put(q, stop, item) or item[2] is not None:

@@ -137,16 +137,28 @@ def global_l2_norm(*grads_and_out: Array) -> None:
     norm_out[...] = xp.sqrt(_sum_of_squares(grads))
 
 
-def gradient_scale(*grads_and_out: Array, clip: float) -> None:
+def sum_of_squares(*grads_and_out: Array) -> None:
+    """out = the sum over all gradients of ||g||^2 (0-d); the last argument is the output.
+    Where the parameters live in several memory spaces, each space sums its own."""
+    *grads, out = grads_and_out
+    out[...] = _sum_of_squares(grads)
+
+
+def gradient_scale(*grads_and_out: Array, clip: float, partials: int = 0) -> None:
     """Caffe's ClipGradients as a factor: the last argument (0-d) gets clip / norm when the
     global L2 norm of the given gradients exceeds ``clip``, else 1; ``clip < 0`` disables it.
-    Caffe clips the gradients summed over iter_size, before Normalize divides them."""
+    Caffe clips the gradients summed over iter_size, before Normalize divides them. The
+    last ``partials`` inputs are sums of squares made elsewhere (sum_of_squares)."""
     *grads, scale_out = grads_and_out
     if clip < 0:
         scale_out[...] = 1
         return
     xp = get_array_module(scale_out, *grads)
-    norm = xp.sqrt(_sum_of_squares(grads))
+    own = grads[:len(grads) - partials]
+    total = _sum_of_squares(own) if own else xp.zeros((), dtype=grads[0].dtype)
+    for s in grads[len(grads) - partials:]:
+        total = total + s
+    norm = xp.sqrt(total)
     if clip == 0:  # every nonzero gradient is scaled to 0; an all-zero one is left alone
         scale_out[...] = norm == 0
         return

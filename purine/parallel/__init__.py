@@ -17,9 +17,10 @@ from purine.caffe.net import TRAIN, Net, NetBuilder
 from purine.caffe.solver import Scheme, Solver
 from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
-from purine.graph import Blob, Location, Op, Stateful, kernel
+from purine.graph import Blob, Graph, Location, Op, Stateful, kernel
 from purine.ops import tensor
 from purine.parallel.mpi import Ranks
+from purine.parallel.nccl import NcclGroup, nccl_all_reduce_mean, nccl_reduce_mean
 from purine.runtime import Dispatcher
 
 
@@ -46,23 +47,28 @@ class Replicas:
 
 def replicate(net: Net, param: pb.NetParameter, count: int, *, level: int = 0,
               stages: tuple[str, ...] = (), seed: int = 0, first: int = 0,
-              total: int | None = None,
-              locations: list[Location] | None = None) -> Replicas:
+              total: int | None = None, locations: list[Location] | None = None,
+              nccl: NcclGroup | None = None) -> Replicas:
     """Compose ``count - 1`` more replicas of ``net`` (replica 0, built with
     ``replica=(first, total)`` and seed ``seed + first``) into its graph. Replica r runs at
     worker thread r; the all-reduce and (by the solver) the update ops run at thread
     ``count``. Across MPI ranks, local replica r is replica ``first + r`` of ``total``
     (default ``count``): its data, seed and state keys are those of that global replica, so
     R ranks of N replicas read, draw and snapshot as R*N replicas in one process do.
-    ``locations[r - 1]`` places replica r elsewhere (e.g. Location("gpu", r))."""
+    ``locations[r - 1]`` places replica r elsewhere (e.g. Location("gpu", r)). ``nccl``, a
+    group spanning MPI ranks, reduces the gradients across them too: over its GPUs when the
+    replicas have one GPU each, after the local all-reduce when they share this rank's GPU."""
     graph, builder = net.graph, net.builder
     total = count if total is None else total
     out = Replicas(count, server=Location(builder.location.device, builder.location.index,
                                           count, builder.location.host))
     devices = [builder.location.index] + [loc.index for loc in locations or []]
-    use_nccl = (builder.location.device == "gpu" and bool(locations)
-                and all(loc.device == "gpu" for loc in locations)
+    use_nccl = (builder.location.device == "gpu" and (bool(locations) or nccl is not None)
+                and all(loc.device == "gpu" for loc in locations or [])
                 and len(set(devices)) == count)
+    if nccl is not None and nccl.devices != (devices if use_nccl else devices[:1]):
+        raise PurineError(f"the NCCL group's GPUs {nccl.devices} are not the replicas' "
+                          f"{devices}")
     masters = {p.name: p for p in builder.learnable_params}
     grads: dict[str, list[Blob]] = {name: [builder.param_grad(p)] for name, p in masters.items()}
     for r in range(1, count):
@@ -104,32 +110,45 @@ def replicate(net: Net, param: pb.NetParameter, count: int, *, level: int = 0,
         out.loss_tops += [(mapped[t.name], w) for t, w in b.loss_tops]
         out.stateful.update({f"replica{g}/{k}": s for k, s in b.stateful.items()})
     if use_nccl:
-        out.reduce_ops = _nccl_reduce_ops(graph, grads, devices, out.server)
+        out.reduce_ops = nccl_reduce_ops(graph, grads, nccl or NcclGroup(devices), out.server)
         return out
+    order = backward_order(graph, grads)  # before the all-reduce ops write the gradients too
     for name, gs in grads.items():
         out.reduce_ops.append(graph.op(f"all_reduce/{name}", "AllReduceMean", gs, [gs[0]],
                                        kernel(all_reduce_mean), out.server))
+    if nccl is not None:  # the replicas share this rank's GPU: their mean goes across ranks
+        out.reduce_ops += nccl_reduce_ops(graph, {n: gs[:1] for n, gs in grads.items()}, nccl,
+                                          out.server, order)
     return out
 
 
-def _nccl_reduce_ops(graph, grads: dict[str, list[Blob]], devices: list[int],
-                     server: Location) -> list[Op]:
-    """Per replica, one NCCL reduce op per gradient at a communication stream of its GPU,
-    chained in the order the backward pass writes the gradients (the last writer's position
-    in the graph), so every GPU issues the same collectives in the same order."""
-    from purine.parallel.nccl import NcclGroup, nccl_reduce_mean
-
+def backward_order(graph: Graph, grads: dict[str, list[Blob]]) -> list[str]:
+    """The parameters in the order the backward pass writes replica 0's gradients (the last
+    writer's position in the graph; never written first)."""
     position = {b: i for i, o in enumerate(graph.ops) for b in o.outputs}
-    order = sorted(grads, key=lambda name: position.get(grads[name][0], -1))
-    group = NcclGroup(devices)
+    return sorted(grads, key=lambda name: position.get(grads[name][0], -1))
+
+
+def nccl_reduce_ops(graph: Graph, grads: dict[str, list[Blob]], group: NcclGroup,
+                    server: Location, order: list[str] | None = None) -> list[Op]:
+    """Per local GPU j of ``group`` (gradients ``grads[name][j]``), one NCCL op per gradient
+    at a communication stream of that GPU, chained in ``order`` (default: the backward
+    pass's), so every GPU issues the same collectives in the same order. In one process
+    the op reduces to GPU 0 (NcclReduceMean); across ranks it all-reduces over every rank's
+    GPUs (NcclAllReduceMean). GPU 0's ops run at ``server``, where the update ops follow."""
+    order = backward_order(graph, grads) if order is None else order
+    if group.across_ranks:
+        kind, verb, fn = "NcclAllReduceMean", "all_reduce", nccl_all_reduce_mean
+    else:
+        kind, verb, fn = "NcclReduceMean", "reduce", nccl_reduce_mean
     ops: list[Op] = []
-    for r, device in enumerate(devices):
-        loc = server if r == 0 else Location("gpu", device, server.thread, server.host)
-        token = graph.blob(f"nccl/token{r}", (1,), "float32", loc)
+    for j, device in enumerate(group.devices):
+        loc = server if j == 0 else Location("gpu", device, server.thread, server.host)
+        token = graph.blob(f"nccl/token{j}", (1,), "float32", loc)
+        run = kernel(fn, group=group, local=j)
         for name in order:
-            g = grads[name][r]
-            ops.append(graph.op(f"nccl/reduce{r}/{name}", "NcclReduceMean", [g, token],
-                                [g, token], kernel(nccl_reduce_mean, group=group, rank=r),
+            g = grads[name][j]
+            ops.append(graph.op(f"nccl/{verb}{j}/{name}", kind, [g, token], [g, token], run,
                                 loc))
     return ops
 
@@ -159,26 +178,43 @@ class DataParallel(Scheme):
     def rewrite(self, solver: Solver, param: pb.NetParameter, level: int,
                 stages: tuple[str, ...]) -> None:
         """The other replicas join the net's graph with the gradient all-reduce; over MPI,
-        the exchange ops follow, and every rank starts from rank 0's weights."""
+        the exchange ops follow (on GPUs, NCCL ops over every rank's GPUs instead), and
+        every rank starts from rank 0's weights."""
         net, b = solver.net, solver.net.builder
-        if self.mpi and b.location.device != "cpu":
-            raise PurineError("training on GPUs across MPI ranks is not supported; run one "
-                              "process with --gpu 0,1,... (NCCL) or MPI ranks on CPUs")
+        here = b.location
+        group = self._nccl_group(here) if self.mpi and here.device != "cpu" else None
         if self.count > 1:
             r = self.replicas = replicate(net, param, self.count, level=level, stages=stages,
                                           seed=solver.seed, first=self.first, total=self.total,
-                                          locations=self.locations)
+                                          locations=self.locations, nccl=group)
             self.server = r.server
             self.pass_ops += r.pass_ops + r.reduce_ops
             self.keep |= {t for t, _ in r.loss_tops}
             self.stateful.update(r.stateful)
         if self.mpi:  # the exchange runs where the update ops will, off the net's threads
-            here = b.location
             self.server = self.server or Location(here.device, here.index, b.threads, here.host)
-            self.mpi.build(net.graph, [b.param_grad(w) for w in b.learnable_params
-                                       if w.meta["lr_mult"] != 0], self.server)
-            self.pass_ops += self.mpi.ops
+            if group is None:
+                self.mpi.build(net.graph, [b.param_grad(w) for w in b.learnable_params
+                                           if w.meta["lr_mult"] != 0], self.server)
+                self.pass_ops += self.mpi.ops
+            elif self.count == 1:  # one GPU, one replica: its gradients go straight across
+                grads = {w.name: [b.param_grad(w)] for w in b.learnable_params}
+                self.pass_ops += nccl_reduce_ops(net.graph, grads, group, self.server)
             self.mpi.broadcast([net.dispatcher.array(w) for w in b.learnable_params])
+
+    def _nccl_group(self, here: Location) -> NcclGroup:
+        """This rank's GPUs in one NCCL communicator with every other rank's (collective):
+        the replicas' GPUs when each has its own, else this rank's one GPU, where the
+        replicas' mean is taken before it goes across."""
+        assert self.mpi is not None
+        others = self.locations or []
+        devices = [here.index] + [loc.index for loc in others]
+        if any(loc.device != "gpu" for loc in others) or (
+                len(set(devices)) not in (1, len(devices))):
+            where = ", ".join(str(loc) for loc in [here, *others])
+            raise PurineError(f"GPUs across MPI ranks need each replica on its own GPU or all "
+                              f"on one; got {where}")
+        return NcclGroup(devices if len(set(devices)) > 1 else devices[:1], self.mpi.comm)
 
     def loss(self, loss: Any, dispatcher: Dispatcher) -> Any:
         if self.replicas:
@@ -192,10 +228,20 @@ class DataParallel(Scheme):
     def gather_state(self, private: dict) -> dict | None:
         return self.mpi.gather_state(private) if self.mpi else private
 
+    def gather_trace(self, events: list[dict]) -> list[dict] | None:
+        return self.mpi.gather_trace(events) if self.mpi else super().gather_trace(events)
+
 
 def build_solver(source: str | os.PathLike | pb.SolverParameter, *, replicas: int = 1,
                  comm: Any = None, replica_locations: list[Location] | None = None,
-                 **kwargs: Any) -> Solver:
+                 placement: Any = None, **kwargs: Any) -> Solver:
     """``Solver(source, **kwargs)`` training as ``DataParallel(replicas, comm,
-    replica_locations)`` says."""
+    replica_locations)`` says, or with ``placement`` (a placement file or locations by
+    layer name) as ``ModelParallel(placement)`` says."""
+    if placement is not None:
+        if replicas > 1 or comm is not None or replica_locations:
+            raise PurineError("a placement with replicas or MPI ranks is not supported yet")
+        from purine.parallel.model_parallel import ModelParallel
+
+        return Solver(source, scheme=ModelParallel(placement), **kwargs)
     return Solver(source, scheme=DataParallel(replicas, comm, replica_locations), **kwargs)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from purine.backend import assign, is_device_array, to_host
 from purine.errors import PurineError
 from purine.graph import Blob, Graph, Location, Op, kernel
 
@@ -81,6 +83,27 @@ def abort_on_error(comm: Any | None, command: str = "train") -> Iterator[None]:
         comm.Abort(1)
 
 
+def same_on_every_rank(comm: Any, value: int, what: str) -> None:
+    """Refuse, on every rank alike, unless every rank gives the same ``value`` (collective);
+    the message names the ranks that differ from rank 0."""
+    values = comm.allgather(value)
+    differ = [k for k, v in enumerate(values) if v != values[0]]
+    if differ:
+        raise PurineError(f"{what} must be the same on every MPI rank: rank 0 has "
+                          f"{values[0]}, " + ", ".join(f"rank {k} has {values[k]}"
+                                                       for k in differ))
+
+
+def local_rank(comm: Any) -> int:
+    """This rank's index among the ranks on its machine (those sharing its memory); the
+    same answer whichever launcher started them (collective)."""
+    node = comm.Split_type(_mpi().COMM_TYPE_SHARED)
+    try:
+        return node.rank
+    finally:
+        node.Free()
+
+
 def all_reduce_mean(grad: Any, token: Any, grad_out: Any, token_out: Any, *, comm: Any) -> None:
     """The gradient, already averaged over this rank's replicas, becomes the average over
     every rank's (in place); the token only orders these ops."""
@@ -117,9 +140,16 @@ class Ranks:
         self.ops = exchange_ops(graph, grads, self.comm, server)
 
     def broadcast(self, arrays: Sequence[Any]) -> None:
-        """Every rank starts from rank 0's values (its fillers drew other ones)."""
+        """Every rank starts from rank 0's values (its fillers drew other ones). A GPU's
+        arrays go through the host: the MPI library need not be CUDA-aware, and this runs
+        once."""
         for a in arrays:
-            self.comm.Bcast(a, root=0)
+            if is_device_array(a):
+                host = to_host(a)
+                self.comm.Bcast(host, root=0)
+                assign(a, host)
+            else:
+                self.comm.Bcast(a, root=0)
 
     def mean(self, value: float) -> float:
         return self.comm.allreduce(float(value), op=_mpi().SUM) / self.size
@@ -136,3 +166,14 @@ class Ranks:
         if not self.is_root:
             return None
         return dict(state, stateful={k: v for part in parts for k, v in part.items()})
+
+    def gather_trace(self, rows: list[dict]) -> list[dict] | None:
+        """Every rank's trace rows (purine.runtime.trace) for rank 0 to write, pid k for
+        rank k, on one clock: each rank counts from the moment it left a common barrier.
+        None on the other ranks."""
+        self.comm.Barrier()
+        mark = time.perf_counter()
+        mine = [dict(r, pid=self.rank, start=r["start"] - mark, end=r["end"] - mark)
+                for r in rows]
+        parts = self.comm.gather(mine, root=0)  # plain dicts of strings and floats
+        return [r for part in parts for r in part] if self.is_root else None

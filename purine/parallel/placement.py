@@ -27,6 +27,7 @@ import numpy as np
 from purine.errors import LayerError, ProtoError, PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import load_weights, save_net
+from purine.formats.hdf5_snapshot import write_weights
 from purine.formats.prototxt import filter_net, read_net
 from purine.formats.weights import fit_shape, layer_arrays
 from purine.graph import CPU, Location
@@ -240,11 +241,16 @@ class SplitNet:
             for v, a in zip(views, arrays, strict=True):
                 v.data[...] = a
 
-    def save(self, net: Net, path: str | os.PathLike) -> None:
-        """Write ``net``'s (a Net of the split net) parameters as a caffemodel of the
-        original net, which Caffe and unsplit nets load."""
-        save_net(self.original.name, [lp for lp in self.original.layer if lp.type != "Split"],
-                 self.params(net), path)
+    def save(self, net: Net, path: str | os.PathLike, hdf5: bool = False) -> None:
+        """Write ``net``'s (a Net of the split net) parameters as a caffemodel (``hdf5``: a
+        .caffemodel.h5) of the original net, which Caffe and unsplit nets load."""
+        layers = [lp for lp in self.original.layer if lp.type != "Split"]
+        params = self.params(net)
+        if hdf5:
+            write_weights(path, [(lp.name, params[lp.name]) for lp in layers
+                                 if lp.name in params])
+        else:
+            save_net(self.original.name, layers, params, path)
 
     def _legacy(self, net: Net, name: str, j: int, a: np.ndarray) -> np.ndarray:
         """Old caffemodels store every blob as 4-d, e.g. (1, 1, N, K): give a split

@@ -1,0 +1,191 @@
+"""Training with a placement (model parallelism): Krizhevsky's two-tower AlexNet on two
+CPU memory spaces trains to the weights of the unsplit net, each parameter updated where
+it lives; its snapshots are the unsplit net's files, and resuming continues the run."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from purine.caffe.net import TEST, Net
+from purine.caffe.solver import Solver
+from purine.errors import PurineError
+from purine.formats import caffe_pb2 as pb
+from purine.formats.prototxt import read_net
+from purine.graph import Location
+from purine.parallel import build_solver
+from purine.zoo import model_file
+
+ALEXNET = Path(model_file("bvlc_alexnet/train_val.prototxt")).parent
+PLACEMENT = ALEXNET / "two_tower.placement"
+C0, C1 = Location("cpu", 0), Location("cpu", 1)
+
+cv2 = pytest.importorskip("cv2", reason="opencv-python-headless<5 is in the test extra")
+
+
+@pytest.fixture(scope="module")
+def image_db(tmp_path_factory):
+    from purine.converters.convert_imageset import write_images
+
+    rng = np.random.default_rng(5)
+    path = tmp_path_factory.mktemp("alexnet") / "train_lmdb"
+    records = ((f"{i:08d}", rng.integers(0, 256, (67, 67, 3), dtype=np.uint8), i % 7)
+               for i in range(24))
+    write_images(path, records, total=24)
+    return str(path)
+
+
+def alexnet_solver(db: str, **fields) -> pb.SolverParameter:
+    """Caffe's AlexNet solver on 67x67 images (pool5 is 1x1), fc6 and fc7 narrowed to 256
+    outputs, without Dropout (its masks are drawn per layer, which towers renumber) and
+    without the TEST net."""
+    net = read_net(ALEXNET / "train_val.prototxt")
+    layers = [lp for lp in net.layer if lp.type != "Dropout" and "TEST" not in str(lp.include)]
+    del net.layer[:]
+    net.layer.extend(layers)
+    for lp in net.layer:
+        if lp.type == "Data":
+            lp.data_param.source, lp.data_param.batch_size = db, 4
+            lp.transform_param.ClearField("mean_file")
+            lp.transform_param.crop_size = 0
+            lp.transform_param.scale = 1 / 64
+        if lp.name in ("fc6", "fc7"):
+            lp.inner_product_param.num_output = 256
+    s = pb.SolverParameter(net_param=net, base_lr=0.01, lr_policy="step", gamma=0.1,
+                           stepsize=5, momentum=0.9, weight_decay=0.0005, max_iter=10,
+                           random_seed=7, snapshot_prefix="")
+    for key, value in fields.items():
+        setattr(s, key, value)
+    return s
+
+
+def assert_same_weights(got: dict, want: Net, what: str = "") -> None:
+    for layer, views in want.params.items():
+        for k, v in enumerate(views):
+            np.testing.assert_allclose(got[layer][k], v.data, rtol=1e-5,
+                                       atol=1e-5 * np.abs(v.data).max(),
+                                       err_msg=f"{what}{layer}[{k}]")
+
+
+def plain_and_placed(param: pb.SolverParameter, iters: int = 10) -> tuple[Solver, Solver]:
+    """The unsplit net and the two-tower net trained ``iters`` iterations from the same
+    weights: the unsplit net's fillers, cut into towers (a tower's filler draws its own)."""
+    plain = Solver(param, dtype="float64")
+    placed = build_solver(param, placement=PLACEMENT, dtype="float64")
+    split = placed.scheme.split_of(placed.net)
+    split.load(placed.net, {n: [v.data for v in views] for n, views in plain.net.params.items()})
+    assert_same_weights(split.params(placed.net), plain.net)
+    plain.step(iters)
+    placed.step(iters)
+    return plain, placed
+
+
+@pytest.mark.parametrize("fields", [
+    {},
+    # Adam reads the iteration in both memory spaces; clipping sums squares per space;
+    # iter_size accumulates where each parameter lives.
+    {"type": "Adam", "base_lr": 0.001, "momentum2": 0.999, "clip_gradients": 0.5,
+     "iter_size": 2},
+], ids=["sgd", "adam-clip-itersize"])
+def test_two_tower_alexnet_trains_to_the_unsplit_weights(image_db, fields):
+    param = alexnet_solver(image_db, **fields)
+    plain, placed = plain_and_placed(param)
+    split = placed.scheme.split_of(placed.net)
+    assert_same_weights(split.params(placed.net), plain.net)
+    # Each parameter's update ops run where the parameter lives.
+    where = {op.name: op.location.memory for op in placed.update_ops}
+    assert where["solver/conv4/tower1[0]/update"] == C1.memory
+    assert where["solver/conv4/tower0[0]/update"] == C0.memory
+    assert where["solver/fc8[0]/update"] == C0.memory
+    copies = sorted(n for n, op in ((o.name, o) for o in placed.update_ops) if op.type == "Copy")
+    expected = ["solver/lr@cpu:1"]
+    if "clip_gradients" in fields:
+        expected += ["solver/clip_scale@cpu:1", "solver/clip_sumsq@cpu:1@home"]
+    if fields.get("type") == "Adam":
+        expected += ["solver/iter@cpu:1"]
+    assert copies == sorted(expected)
+    assert {h.location.memory for u in placed.updates for h in u.history
+            if u.param.location == C1} == {C1.memory}
+
+
+def test_a_placed_run_snapshots_the_unsplit_net_and_resumes(image_db, tmp_path):
+    param = alexnet_solver(image_db, snapshot=5, snapshot_prefix=str(tmp_path / "placed"))
+    _, placed = plain_and_placed(param)
+    model, state = tmp_path / "placed_iter_5.caffemodel", tmp_path / "placed_iter_5.solverstate"
+    assert model.exists() and state.exists()
+
+    # The caffemodel and solverstate are the unsplit net's: an unsplit solver resumes from
+    # them and ends where the placed run ended, and the placed solver resumes from them too.
+    param.snapshot = 0
+    plain = Solver(param, dtype="float64")
+    plain.restore(str(state))
+    assert plain.iter == 5
+    plain.step(5)
+    split = placed.scheme.split_of(placed.net)
+    assert_same_weights(split.params(placed.net), plain.net, "unsplit resume: ")
+    again = build_solver(param, placement=PLACEMENT, dtype="float64")
+    again.restore(str(state))
+    again.step(5)
+    assert_same_weights(split.params(again.net), plain.net, "placed resume: ")
+    history = {u.param.name: again.net.dispatcher.array(u.history[0]) for u in again.updates}
+    mine = {u.param.name: placed.net.dispatcher.array(u.history[0]) for u in placed.updates}
+    for name, h in mine.items():
+        np.testing.assert_allclose(history[name], h, rtol=1e-5, atol=1e-7, err_msg=name)
+
+    # OpenCV's Caffe importer reads the placed run's caffemodel as the unsplit net's.
+    deploy = pb.NetParameter(name="AlexNet")
+    deploy.layer.add(name="data", type="Input", top=["data"]).input_param.shape.add(
+        dim=[2, 3, 67, 67])
+    deploy.layer.extend(lp for lp in param.net_param.layer
+                        if lp.type not in ("Data", "SoftmaxWithLoss", "Accuracy"))
+    (tmp_path / "deploy.prototxt").write_text(text_format.MessageToString(deploy))
+    x = np.random.default_rng(1).standard_normal((2, 3, 67, 67)).astype(np.float32)
+    ours = Net(str(tmp_path / "deploy.prototxt"), str(model), phase=TEST)
+    want = ours.forward(data=x)["fc8"]
+    cv = cv2.dnn.readNetFromCaffe(str(tmp_path / "deploy.prototxt"), str(model))
+    cv.setInput(x)
+    np.testing.assert_allclose(cv.forward("fc8"), want, rtol=1e-4,
+                               atol=1e-4 * np.abs(want).max())
+
+    # Fine-tuning a placed net from an unsplit caffemodel loads every tower's part.
+    param.weights.append(str(model))
+    tuned = build_solver(param, placement=PLACEMENT, dtype="float64")
+    start = Solver(param, dtype="float64")
+    assert_same_weights(tuned.scheme.split_of(tuned.net).params(tuned.net), start.net)
+
+
+def test_a_placement_naming_an_unknown_layer_is_refused(image_db, tmp_path):
+    bad = tmp_path / "bad.placement"
+    bad.write_text('layer: "conv9" location: "cpu:1"\n')
+    with pytest.raises(PurineError, match=r"bad.placement:1: net 'AlexNet' has no layer "
+                                          r"'conv9'"):
+        build_solver(alexnet_solver(image_db), placement=bad)
+
+
+def test_train_with_a_placement_file_from_the_command_line(image_db, tmp_path):
+    param = alexnet_solver(image_db, max_iter=4, snapshot=2, display=1,
+                           snapshot_prefix=str(tmp_path / "cli"))
+    solver = tmp_path / "solver.prototxt"
+    solver.write_text(text_format.MessageToString(param))
+    run = [sys.executable, "-m", "purine.cli", "train", "--solver", str(solver),
+           "--placement", str(PLACEMENT)]
+    r = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"Placement {PLACEMENT}: each layer it names runs where it says" in r.stderr
+    assert re.search(r"Iteration 3 \(.*\), loss = [0-9.]+\n", r.stderr)
+    # Resume from the placed run's snapshot, and the unsplit net loads its caffemodel.
+    r = subprocess.run(run + ["--snapshot", str(tmp_path / "cli_iter_2.solverstate")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Restoring previous solver status from" in r.stderr
+    plain = Solver(param)
+    plain.net.copy_from(str(tmp_path / "cli_iter_4.caffemodel"))
+    assert plain.net.params["conv2"][0].shape == (256, 48, 5, 5)
+
+    r = subprocess.run(run + ["--async", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "--placement with --async is not supported" in r.stderr
