@@ -63,6 +63,7 @@ class NetServices(Protocol):
     seed: int
     location: Location  # where a layer goes when ``placement`` names it not
     placement: dict[str, Location]  # layer name -> where its ops and blobs go
+    replica_of: dict[str, str]  # layer name -> the layer whose parameters it uses
     replica: tuple[int, int]  # (index, count) among data-parallel replicas
     input_shapes: dict[str, tuple[int, ...]]
     force_backward: bool
@@ -207,6 +208,10 @@ class LayerBuild:
         k = len(self.params)
         specs = self.param.param
         spec = specs[k] if k < len(specs) else pb.ParamSpec()
+        origin = self.net.replica_of.get(self.name)
+        if origin is not None and not spec.name:  # copies share the original's blobs
+            spec = pb.ParamSpec(name=f"{origin}[{k}]")
+            spec.MergeFrom(specs[k] if k < len(specs) else pb.ParamSpec())
         try:
             b = self.net.add_param(self.name, k, tuple(int(d) for d in shape), spec, filler,
                                    lr_mult, self.rng(k), self.location)

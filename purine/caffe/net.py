@@ -67,6 +67,7 @@ class NetBuilder:
                  threads: int = 1, input_shapes: dict[str, tuple[int, ...]] | None = None,
                  dtype: str = "float32", replica: tuple[int, int] = (0, 1),
                  placement: dict[str, Location] | None = None,
+                 replica_of: dict[str, str] | None = None,
                  previous: NetBuilder | None = None):
         self.phase = phase
         # The build this one replaces (a reshape): layers holding a user's object (Python
@@ -74,6 +75,9 @@ class NetBuilder:
         # keeps its layers. The Net drops the reference once the build is done.
         self.previous = previous
         self.placement = dict(placement or {})  # layer name -> where its ops and blobs go
+        # layer name -> the layer it is a data-parallel copy of (a layer maps to itself
+        # when it has copies): all of them use the one layer's parameter blobs
+        self.replica_of = dict(replica_of or {})
         self.dtype = dtype
         # (index, count) of this net among data-parallel replicas: data layers read
         # distinct batches per replica.
@@ -431,6 +435,7 @@ class Net:
                  threads: int = 1, dtype: str = "float32",
                  replica: tuple[int, int] = (0, 1),
                  placement: dict[str, Location] | None = None,
+                 replica_of: dict[str, str] | None = None,
                  location: Location = CPU):
         for a in args:
             if isinstance(a, int | str) and a in _PHASES and phase is None:
@@ -443,6 +448,7 @@ class Net:
         self.model = read_net(model)
         self._level, self._stages, self._seed, self._threads = level, tuple(stages), seed, threads
         self._dtype, self._replica, self._placement = dtype, replica, placement
+        self._replica_of = replica_of
         self.location = location  # where the layers run (Python layers stay on the host)
         self._input_shapes: dict[str, tuple[int, ...]] = {}  # requested by blob reshapes
         # Input blobs reshaped since the last build: host arrays of their new shapes, which
@@ -461,6 +467,7 @@ class Net:
         b = NetBuilder(self.model, self.phase, level=self._level, stages=self._stages,
                        seed=self._seed, threads=self._threads, input_shapes=self._input_shapes,
                        dtype=self._dtype, replica=self._replica, placement=self._placement,
+                       replica_of=self._replica_of,
                        location=self.location, previous=previous)
         b.previous = None  # the old build may go
         self.builder, self.graph = b, b.graph

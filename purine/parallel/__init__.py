@@ -239,9 +239,11 @@ def build_solver(source: str | os.PathLike | pb.SolverParameter, *, replicas: in
     replica_locations)`` says, or with ``placement`` (a placement file or locations by
     layer name) as ``ModelParallel(placement)`` says."""
     if placement is not None:
-        if replicas > 1 or comm is not None or replica_locations:
-            raise PurineError("a placement with replicas or MPI ranks is not supported yet")
+        if comm is not None or replica_locations:
+            raise PurineError("a placement runs in one process, its replicas at worker "
+                              "threads of one device: it cannot be combined with MPI ranks "
+                              "or replicas on several GPUs")
         from purine.parallel.model_parallel import ModelParallel
 
-        return Solver(source, scheme=ModelParallel(placement), **kwargs)
+        return Solver(source, scheme=ModelParallel(placement, replicas), **kwargs)
     return Solver(source, scheme=DataParallel(replicas, comm, replica_locations), **kwargs)

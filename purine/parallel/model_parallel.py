@@ -27,13 +27,22 @@ Placement = Mapping[str, Location | Sequence[Location]]
 
 class ModelParallel(Scheme):
     """Train a net placed by ``placement``: a placement file's path, or locations by layer
-    name (several locations split the layer into towers)."""
+    name (several locations split the layer into towers).
 
-    concurrent = True  # towers in several memory spaces run on concurrent workers
+    With ``replicas`` N > 1, hybrid parallelism: each replica takes ``batch_size`` samples,
+    the layers before the first one the placement names run once per replica on its
+    part of the batch, and the rest see the whole batch, split into towers where the
+    placement says (``location: "replicas"``: one tower per replica). Replica r runs at
+    worker thread r of the solver's location. The run equals the unsplit net with N times
+    the batch."""
 
-    def __init__(self, placement: str | os.PathLike | Placement):
-        super().__init__()
-        self.source = placement
+    concurrent = True  # towers and replicas run on concurrent workers
+
+    def __init__(self, placement: str | os.PathLike | Placement, replicas: int = 1):
+        super().__init__(f"{replicas} replicas and a placement" if replicas > 1 else None)
+        if replicas < 1:
+            raise PurineError(f"a placement needs at least 1 replica, got {replicas}")
+        self.source, self.count = placement, replicas
         self.where: Placement | None = None if isinstance(placement, str | os.PathLike) \
             else placement
         self._splits: list[tuple[Net, SplitNet]] = []
@@ -45,10 +54,12 @@ class ModelParallel(Scheme):
 
     def make_net(self, param: pb.NetParameter, **kwargs: Any) -> Net:
         stages = kwargs.get("stages") or ()
+        at = kwargs.get("location", CPU)
+        replicas = [Location(at.device, at.index, r, at.host) for r in range(self.count)]
         split = split_towers(param, self._placement(param), phase=kwargs["phase"],
-                             level=kwargs.get("level", 0), stages=stages,
-                             default=kwargs.get("location", CPU))
-        net = Net(split.net, placement=split.placement, **kwargs)
+                             level=kwargs.get("level", 0), stages=stages, default=at,
+                             replicas=replicas, data_parallel=kwargs["phase"] == pb.TRAIN)
+        net = Net(split.net, placement=split.placement, replica_of=split.replica_of, **kwargs)
         self._splits.append((net, split))
         return net
 

@@ -10,7 +10,11 @@ is split into that many towers, tower k at the k-th location)::
     layer { name: "conv2" location: "cpu:0" location: "cpu:1" }
 
 A location is written as ``str(Location)`` writes it: ``cpu:1``, ``gpu:0/t2`` (worker thread
-or stream 2), ``rank1/cpu:0`` (MPI rank 1).
+or stream 2), ``rank1/cpu:0`` (MPI rank 1). The word ``replicas`` stands for the locations of
+the data-parallel replicas (hybrid parallelism, ``split_towers(..., replicas=...)``): a layer
+given ``location: "replicas"`` is split into one tower per replica::
+
+    layer { name: "fc6" location: "replicas" }
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import difflib
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,6 +44,10 @@ if TYPE_CHECKING:
 PER_CHANNEL = frozenset({"ReLU", "Sigmoid", "TanH", "ELU", "AbsVal", "BNLL", "Threshold",
                          "Power", "Exp", "Log", "Dropout", "Pooling", "LRN"})
 
+REPLICAS = "replicas"  # a placement's word for the replicas' locations, one tower each
+# Layers a replica cannot run on its part of the batch: BatchNorm writes its statistics
+# (parameters) in the forward pass, which copies sharing them cannot all do.
+NOT_REPLICATED = frozenset({"BatchNorm"})
 _LOCATION = re.compile(r"(?:rank(\d+)/)?(cpu|gpu):(\d+)(?:/t(\d+))?")
 _TOKEN = re.compile(r'(?P<space>[ \t\r\n]+)|(?P<comment>#[^\n]*)|"(?P<string>[^"\n]*)"'
                     r'|(?P<word>[A-Za-z_]\w*)|(?P<punct>[:{}])')
@@ -73,9 +81,10 @@ def _tokens(text: str, path: str) -> list[tuple[str, str, int]]:
 
 
 def read_placement(path: str | os.PathLike, net_param: pb.NetParameter
-                   ) -> dict[str, tuple[Location, ...]]:
+                   ) -> dict[str, tuple[Location | str, ...]]:
     """The placement file at ``path`` for ``net_param`` (all phases): each layer it names
-    with its locations, in file order. Errors name the file and line."""
+    with its locations (a Location, or REPLICAS), in file order. Errors name the file and
+    line."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -84,7 +93,7 @@ def read_placement(path: str | os.PathLike, net_param: pb.NetParameter
         raise ProtoError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
     known = [layer.name for layer in net_param.layer]
     toks = _tokens(text, path)
-    out: dict[str, tuple[Location, ...]] = {}
+    out: dict[str, tuple[Location | str, ...]] = {}
     lines: dict[str, int] = {}
     i = 0
 
@@ -101,9 +110,11 @@ def read_placement(path: str | os.PathLike, net_param: pb.NetParameter
         i += 1
         return v, line
 
-    def location() -> Location:
+    def location() -> Location | str:
         take("punct", ":")
         text, line = take("string")
+        if text == REPLICAS:
+            return REPLICAS
         try:
             return parse_location(text)
         except PurineError as e:
@@ -170,6 +181,10 @@ class SplitNet:
     towers: dict[str, Towers]
     blobs: dict[str, tuple[str, ...]]
     original: pb.NetParameter  # the original net, filtered for the phase
+    # data-parallel copies of a layer (hybrid parallelism): copy name -> the layer's name
+    # (the layer itself included); build the net with ``Net(..., replica_of=...)``
+    replica_of: dict[str, str] = field(default_factory=dict)
+    batched: frozenset[str] = frozenset()  # blobs held as the replicas' parts of the batch
 
     def split_params(self, params: Mapping[str, Sequence[np.ndarray]]
                      ) -> dict[str, list[np.ndarray]]:
@@ -219,11 +234,13 @@ class SplitNet:
 
     def blob(self, net: Net, name: str, diff: bool = False) -> np.ndarray:
         """The data (or diff) of the original net's blob ``name`` in ``net``, a Net of the
-        split net, its towers' parts joined along the channel axis."""
+        split net, its towers' parts joined along the channel axis (the replicas' along the
+        batch axis)."""
         if name not in self.blobs:
             raise PurineError(f"net '{self.original.name}' has no blob '{name}'")
         arrays = [net.blobs[n].diff if diff else net.blobs[n].data for n in self.blobs[name]]
-        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, 1)
+        axis = 0 if name in self.batched else 1
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis)
 
     def load(self, net: Net, weights: str | os.PathLike | Mapping[str, Sequence[np.ndarray]]
              ) -> None:
@@ -272,7 +289,8 @@ class _Value:
     locations, and the towers' channel parts (None while stale or never made)."""
 
     full: list[tuple[str, Location]]
-    parts: list[tuple[str, Location]] | None = None
+    parts: list[tuple[str, Location]] | None = None  # the towers' channel parts
+    batch: list[tuple[str, Location]] | None = None  # the replicas' parts of the batch
 
 
 class _Rewrite:
@@ -290,6 +308,7 @@ class _Rewrite:
         self.old_blobs = {t for lp in net.layer for t in list(lp.top) + list(lp.bottom)}
         self.new_layers: set[str] = set()
         self.new_blobs: set[str] = set()
+        self.replica_of: dict[str, str] = {}
 
     # -- names ---------------------------------------------------------------------------
     def _fresh(self, base: str, taken: set[str], reserved: set[str], own: str = "") -> str:
@@ -324,12 +343,14 @@ class _Rewrite:
         for name, loc in v.full:
             if loc.memory == at.memory:
                 return name
-        if v.parts is None:
+        join, axis = (v.parts, 1) if v.parts is not None else (v.batch, 0)
+        if join is None:
             return v.full[0][0]
         name = blob if blob not in self.new_blobs else self.blob_name(f"{blob}@{consumer}")
         self.new_blobs.add(name)
         cat = pb.LayerParameter(name=self.layer_name(f"{name}/concat"), type="Concat",
-                                bottom=[n for n, _ in v.parts], top=[name])
+                                bottom=[n for n, _ in join], top=[name])
+        cat.concat_param.axis = axis
         self.add(cat, at)
         v.full.append((name, at))
         return name
@@ -337,22 +358,37 @@ class _Rewrite:
     def parts(self, blob: str, count: int, consumer: pb.LayerParameter) -> list[str]:
         """Names of ``blob``'s ``count`` channel parts: the towers' own, else a Slice of a
         whole copy, made where that copy is."""
+        return self._cut(blob, count, consumer, 1)
+
+    def batch(self, blob: str, count: int, consumer: pb.LayerParameter) -> list[str]:
+        """Names of ``blob``'s ``count`` parts of the batch (axis 0): the replicas' own,
+        else a Slice of a whole copy, made where that copy is."""
+        return self._cut(blob, count, consumer, 0)
+
+    def _cut(self, blob: str, count: int, consumer: pb.LayerParameter, axis: int) -> list[str]:
         v = self.values.get(blob)
         if v is None:
             raise LayerError(consumer.name, consumer.type, f"unknown bottom blob '{blob}'; no "
                              "earlier layer has it as a top")
-        if v.parts is not None and len(v.parts) == count:
-            return [n for n, _ in v.parts]
+        have = v.parts if axis == 1 else v.batch
+        if have is not None and len(have) == count:
+            return [n for n, _ in have]
         if v.full:
             src, at = v.full[0]
-        else:  # parts for another number of towers: join them, then cut anew
-            at = v.parts[0][1]
+        else:  # parts of another kind or number: join them, then cut anew
+            at = (v.parts or v.batch)[0][1]
             src = self.full(blob, at, consumer.name)
-        names = [self.blob_name(f"{blob}/tower{k}") for k in range(count)]
+        kind = "tower" if axis == 1 else "replica"
+        names = [self.blob_name(f"{blob}/{kind}{k}") for k in range(count)]
         cut = pb.LayerParameter(name=self.layer_name(f"{blob}/slice"), type="Slice",
                                 bottom=[src], top=names)
+        if axis != 1:  # Slice's default axis is the channels
+            cut.slice_param.axis = axis
         self.add(cut, at)
-        v.parts = [(n, at) for n in names]
+        if axis == 1:
+            v.parts = [(n, at) for n in names]
+        else:
+            v.batch = [(n, at) for n in names]
         return names
 
     # -- layers --------------------------------------------------------------------------
@@ -370,6 +406,67 @@ class _Rewrite:
             else:
                 self.values[t] = _Value([(t, at)])
         self.add(new, loc)
+
+    def replicate(self, lp: pb.LayerParameter, locs: Sequence[Location]) -> None:
+        """Data parallelism inside the net: copy r of the layer runs at ``locs[r]`` on part r
+        of the batch of each bottom. Copy 0 keeps the layer's name and so its parameters;
+        copy r, named ``<layer>/replica<r>``, uses the same parameter blobs, whose gradient
+        is then the sum over the copies: the whole batch's, as in the unsplit net."""
+        n = len(locs)
+        if lp.type in NOT_REPLICATED or any(lp.loss_weight) or lp.type.endswith("Loss"):
+            what = ("its forward pass writes its parameters (the statistics)"
+                    if lp.type in NOT_REPLICATED else "it computes a loss over its batch")
+            raise LayerError(lp.name, lp.type, f"cannot run once per replica: {what}; "
+                             "name it (or a layer before it) in the placement file so that "
+                             "it sees the whole batch")
+        inputs = [self.batch(b, n, lp) for b in lp.bottom]
+        names = [lp.name] + [self.layer_name(f"{lp.name}/replica{r}") for r in range(1, n)]
+        tops = []
+        for t in lp.top:
+            if t in lp.bottom:  # in place where the copy's part is in its memory
+                mine = inputs[list(lp.bottom).index(t)]
+                held = [loc for _, loc in self.values[t].batch or []]
+                tops.append([mine[r] if held[r].memory == locs[r].memory
+                             else self.blob_name(f"{t}/replica{r}") for r in range(n)])
+            else:
+                tops.append([self.blob_name(f"{t}/replica{r}") for r in range(n)])
+        for r in range(n):
+            copy = pb.LayerParameter()
+            copy.CopyFrom(lp)
+            copy.name = names[r]
+            for i in range(len(lp.bottom)):
+                copy.bottom[i] = inputs[i][r]
+            for j in range(len(lp.top)):
+                copy.top[j] = tops[j][r]
+            self.add(copy, locs[r])
+            self.replica_of[names[r]] = lp.name
+        for j, t in enumerate(lp.top):
+            self.values[t] = _Value([], batch=list(zip(tops[j], locs, strict=True)))
+
+    def whole_batch(self, lp: pb.LayerParameter, n: int) -> None:
+        """A data layer of a net whose replicas take ``batch_size`` samples each: it reads
+        the ``n`` replicas' batches at once, which the replicated layers then cut."""
+        new = pb.LayerParameter()
+        new.CopyFrom(lp)
+        sizes = {"Data": new.data_param, "ImageData": new.image_data_param,
+                 "HDF5Data": new.hdf5_data_param, "MemoryData": new.memory_data_param,
+                 "WindowData": new.window_data_param}
+        if lp.type in sizes:
+            sizes[lp.type].batch_size *= n
+        elif lp.type in ("Input", "DummyData"):
+            shapes = new.input_param.shape if lp.type == "Input" else new.dummy_data_param.shape
+            for shape in shapes:
+                if shape.dim:
+                    shape.dim[0] *= n
+            for field_ in ("num",) if lp.type == "DummyData" else ():
+                values = getattr(new.dummy_data_param, field_)
+                for i in range(len(values)):
+                    values[i] *= n
+        else:
+            raise LayerError(lp.name, lp.type, "a layer without bottoms in a net of "
+                             f"{n} replicas must read their {n} batches at once, and the "
+                             "rewrite cannot tell this type's batch size")
+        self.keep(new, None)
 
     def split(self, lp: pb.LayerParameter, locs: tuple[Location, ...]) -> None:
         n = len(locs)
@@ -452,9 +549,10 @@ class _Rewrite:
 
 
 def split_towers(net_param: pb.NetParameter,
-                 placement: Mapping[str, Location | Sequence[Location]], *,
+                 placement: Mapping[str, Location | str | Sequence[Location | str]], *,
                  phase: int = pb.TRAIN, level: int = 0, stages: Sequence[str] = (),
-                 default: Location = CPU) -> SplitNet:
+                 default: Location = CPU, replicas: Sequence[Location] = (),
+                 data_parallel: bool = False) -> SplitNet:
     """The net for one NetState (phase, level, stages) with each layer that ``placement``
     gives several locations split into towers, tower k at location k:
 
@@ -471,32 +569,54 @@ def split_towers(net_param: pb.NetParameter,
     InnerProduct's transposed weight along its second): ``SplitNet.split_params`` maps the
     original net's weights to the towers. ``default`` is where unplaced layers run (the
     ``location`` of the Net that will be built). Layers of other phases are ignored, so one
-    placement serves a train net and its test nets."""
+    placement serves a train net and its test nets.
+
+    Hybrid parallelism (Krizhevsky's "one weird trick"): ``replicas`` are the locations the
+    word ``replicas`` stands for in ``placement`` (default: ``default`` alone). With
+    ``data_parallel``, each replica takes ``batch_size`` samples: the data layers read all
+    replicas' batches at once, and every layer before the first one ``placement`` names
+    runs once per replica on its part of the batch (``_Rewrite.replicate``); the named
+    layers and all after them see the whole batch, e.g. fully connected layers split into
+    one tower per replica. The result equals the unsplit net with the whole batch."""
     param = read_net(net_param)
     state = pb.NetState()
     state.CopyFrom(param.state)
     state.phase, state.level = phase, level
     state.stage.extend(s for s in stages if s not in state.stage)
     param = filter_net(param, state)
-    where = {name: (locs,) if isinstance(locs, Location) else tuple(locs)
-             for name, locs in placement.items()}
-    for name, locs in where.items():
+    replicas = list(replicas) or [default]
+    where: dict[str, tuple[Location, ...]] = {}
+    for name, locs in placement.items():
+        locs = (locs,) if isinstance(locs, Location | str) else tuple(locs)
         if not locs:
             raise PurineError(f"placement gives layer '{name}' no location")
+        where[name] = tuple(x for loc in locs
+                            for x in (replicas if loc == REPLICAS else [loc]))
     r = _Rewrite(param, default)
+    trunk = data_parallel and len(replicas) > 1  # the replicated layers come first
     for lp in param.layer:
         locs = where.get(lp.name)
-        if locs is not None and len(locs) > 1:
+        trunk = trunk and locs is None
+        if data_parallel and len(replicas) > 1 and not lp.bottom:
+            r.whole_batch(lp, len(replicas))
+        elif trunk:
+            r.replicate(lp, replicas)
+        elif locs is not None and len(locs) > 1:
             r.split(lp, locs)
         else:
             r.keep(lp, locs[0] if locs else None)
     r.finish(param)
-    blobs = {}
+    blobs, batched = {}, set()
     for name, v in r.values.items():
         whole = [n for n, _ in v.full]
-        blobs[name] = ((name,) if name in whole else (whole[0],)) if whole else tuple(
-            n for n, _ in v.parts or [])
-    return SplitNet(r.out, r.placement, r.towers, blobs, param)
+        if whole:
+            blobs[name] = (name,) if name in whole else (whole[0],)
+        else:
+            blobs[name] = tuple(n for n, _ in v.parts or v.batch or [])
+            if v.parts is None:
+                batched.add(name)
+    return SplitNet(r.out, r.placement, r.towers, blobs, param, r.replica_of,
+                    frozenset(batched))
 
 
 def place(net_param: pb.NetParameter, path: str | os.PathLike, *, phase: int = pb.TRAIN,

@@ -18,6 +18,7 @@ from purine.formats import caffe_pb2 as pb
 from purine.formats.prototxt import read_net
 from purine.graph import Location
 from purine.parallel import build_solver
+from purine.parallel.placement import read_placement, split_towers
 from purine.zoo import model_file
 
 ALEXNET = Path(model_file("bvlc_alexnet/train_val.prototxt")).parent
@@ -186,6 +187,92 @@ def test_train_with_a_placement_file_from_the_command_line(image_db, tmp_path):
     plain.net.copy_from(str(tmp_path / "cli_iter_4.caffemodel"))
     assert plain.net.params["conv2"][0].shape == (256, 48, 5, 5)
 
+    hybrid = tmp_path / "hybrid.placement"
+    hybrid.write_text('layer { name: "fc6" location: "replicas" }\n')
+    r = subprocess.run(run[:-1] + [str(hybrid), "--replicas", "2", "--iterations", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"Iteration 2, loss = [0-9.]+\n", r.stderr)
+
     r = subprocess.run(run + ["--async", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
     assert "--placement with --async is not supported" in r.stderr
+
+
+HYBRID = ALEXNET / "one_weird_trick.placement"
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_hybrid_alexnet_equals_one_net_with_the_whole_batch(image_db, tmp_path, replicas):
+    """Krizhevsky's one weird trick: the convolutions data-parallel (each replica its own
+    images, one set of weights), fc6 and fc7 split into a tower per replica over every
+    replica's images; equal to one net trained with the replicas' batches together."""
+    param = alexnet_solver(image_db)
+    for lp in param.net_param.layer:
+        if lp.type == "Data":
+            lp.data_param.batch_size = 2
+    whole = pb.SolverParameter()
+    whole.CopyFrom(param)
+    for lp in whole.net_param.layer:
+        if lp.type == "Data":
+            lp.data_param.batch_size = 2 * replicas
+    # The shipped file, less the Dropout layers this test's net leaves out.
+    placement = tmp_path / "hybrid.placement"
+    placement.write_text("".join(line for line in HYBRID.read_text().splitlines(True)
+                                 if "drop" not in line))
+    plain = Solver(whole, dtype="float64")
+    hybrid = build_solver(param, replicas=replicas, placement=placement, dtype="float64")
+    split = hybrid.scheme.split_of(hybrid.net)
+    split.load(hybrid.net, {n: [v.data for v in views] for n, views in plain.net.params.items()})
+    plain.step(10)
+    hybrid.step(10)
+    assert_same_weights(split.params(hybrid.net), plain.net)
+
+    net = hybrid.net
+    t = [Location("cpu", 0, r) for r in range(replicas)]
+    assert net.builder.data["data"].shape == (2 * replicas, 3, 67, 67)
+    assert [net.builder.data[f"pool5/replica{r}"].shape[0] for r in range(replicas)] == \
+        [2] * replicas
+    where = {L.name: L.location for L in net.builder.layers}
+    assert [where["conv3" if r == 0 else f"conv3/replica{r}"] for r in range(replicas)] == t
+    assert [where[f"fc7/tower{r}"] for r in range(replicas)] == t
+    assert where["fc8"] == t[0]
+    # One set of convolution weights: the copies use conv1's blob, and its gradient is
+    # summed over them; fc6's weight is cut into the towers.
+    assert net.params["conv1/replica1"][0]._data is net.params["conv1"][0]._data
+    learnable = {p.name for p in net.builder.learnable_params}
+    assert "conv1[0]" in learnable and "conv1/replica1[0]" not in learnable
+    assert net.params["fc6/tower0"][0].shape == (256 // replicas, 256)
+    # The snapshot is the unsplit net's.
+    hybrid.param.snapshot_prefix = str(tmp_path / "hybrid")
+    model, _ = hybrid.snapshot()
+    again = Solver(whole, dtype="float64")
+    again.net.copy_from(model)
+    assert_same_weights({n: [v.data for v in vs] for n, vs in again.net.params.items()},
+                        plain.net)
+
+
+def test_a_replicated_layer_must_not_compute_a_loss(image_db, tmp_path):
+    only = tmp_path / "none.placement"  # names no layer: every layer would be replicated
+    only.write_text("# nothing placed\n")
+    with pytest.raises(PurineError, match=r"layer 'loss' \(type SoftmaxWithLoss\): cannot run "
+                                          r"once per replica: it computes a loss"):
+        build_solver(alexnet_solver(image_db), replicas=2, placement=only)
+
+
+def test_the_shipped_hybrid_placement_fits_alexnet_in_both_phases():
+    param = read_net(ALEXNET / "train_val.prototxt")
+    where = read_placement(HYBRID, param)
+    replicas = [Location("cpu", 0, r) for r in range(2)]
+    train = split_towers(param, where, phase=pb.TRAIN, replicas=replicas, data_parallel=True)
+    names = [lp.name for lp in train.net.layer]
+    cut = next(lp for lp in train.net.layer if lp.name == "data/slice")
+    assert (list(cut.top), cut.slice_param.axis) == (["data/replica0", "data/replica1"], 0)
+    assert {"conv1", "conv1/replica1", "pool5/replica1", "fc6/tower1", "drop7/tower1",
+            "fc8", "loss"} <= set(names)
+    assert "fc8/replica1" not in names and train.replica_of["conv5/replica1"] == "conv5"
+    data = next(lp for lp in train.net.layer if lp.name == "data")
+    assert data.data_param.batch_size == 2 * 256
+    test = split_towers(param, where, phase=pb.TEST, replicas=replicas)
+    assert {lp.name for lp in test.net.layer} >= {"conv1", "fc6/tower0", "fc6/tower1"}
+    assert not test.replica_of and "conv1/replica1" not in {lp.name for lp in test.net.layer}
