@@ -210,14 +210,19 @@ class Solver:
     ``scheme`` spreads the training over replicas, processes and locations (purine.parallel's
     ``build_solver(..., replicas=N, comm=..., placement=...)`` makes one): it builds the nets
     and rewrites the train net's graph before the update ops are added, and the loop runs the
-    graph it is given. ``dtype``: the nets' float type (float64 for exact comparisons)."""
+    graph it is given. ``dtype``: the nets' float type (float64 for exact comparisons).
+    ``update_worker``: the update ops run on a dispatcher worker of their own (the one after
+    the net's ``threads``), so a parameter's update overlaps the rest of the backward pass;
+    the numbers are the same either way."""
 
     def __init__(self, source: str | os.PathLike | pb.SolverParameter, *,
                  level: int | None = None, stages: Sequence[str] | None = None,
                  threads: int = 1, log=None, path: str | None = None,
                  scheme: Scheme | None = None, location: Location = CPU,
-                 share_memory: bool = False, dtype: str = "float32"):
+                 share_memory: bool = False, dtype: str = "float32",
+                 update_worker: bool = False):
         self.scheme = scheme = scheme or Scheme()
+        self.update_worker = update_worker
         if path is None:
             path = os.fspath(source) if isinstance(source, str | os.PathLike) else ""
             if isinstance(source, str) and not os.path.exists(source) and "\n" in source:
@@ -445,6 +450,8 @@ class Solver:
         p, net = self.param, self.net
         b, g = net.builder, net.graph
         loc = self.scheme.server or b.location
+        if self.update_worker and not self.scheme.server:
+            loc = Location(loc.device, loc.index, b.threads, loc.host)
         self._it = g.blob("solver/iter", (), "float64", loc)
         self._lr = g.blob("solver/lr", (), "float64", loc)
         self._iter_host = 0  # the counter blob's value, known without reading a GPU
