@@ -189,3 +189,16 @@ def test_snapshots_keep_the_seed_and_the_test_nets_state(tmp_path):
     _, state = s.snapshot()
     assert snapshot_seed(state) == s.seed
     assert any(k.startswith("test0/") for k in s._private_state()["stateful"])
+
+
+@pytest.mark.parametrize("kind", ['"SGD"', '"Adam"'])
+def test_update_ops_on_a_worker_of_their_own_give_the_same_bits(kind):
+    text = solver_text(type=kind, base_lr=0.01, clip_gradients=0.5, iter_size=2)
+    plain, own = Solver(text), Solver(text, update_worker=True)
+    assert {op.location.thread for op in plain.update_ops} == {0}
+    assert {op.location.thread for op in own.update_ops} == {1}
+    assert {op.location.thread for op in own.net.graph.ops} == {0, 1}
+    plain.step(6)
+    own.step(6)
+    for a, b in zip(plain.net.params["ip"], own.net.params["ip"], strict=True):
+        assert np.array_equal(a.data, b.data)
