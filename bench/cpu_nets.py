@@ -1,14 +1,18 @@
 """CPU forward+backward time and peak memory of LeNet (batch 64), CIFAR-10 quick (batch 100)
-and AlexNet (batch 16), purine-caffe beside PyTorch's CPU build in the same run.
+and AlexNet (batch 16), purine-caffe beside PyTorch's CPU build in the same run, then the
+whole training loop of LeNet and CIFAR-10 quick (bench/train_loop.py) beside PyTorch's.
 
     python bench/cpu_nets.py [--iterations N] [--nets lenet,cifar10_quick,alexnet]
+                             [--train-iterations N] [--no-train-loop]
     python bench/cpu_nets.py --layers cifar10_quick [--iterations N]
 
 Each (framework, net) pair runs in a fresh subprocess so that its peak resident memory
-(ru_maxrss above the level after imports and input creation) is its own. Times are medians
-of N timed iterations after 2 warm-up iterations. The header names what ran purine's
-convolutions: oneDNN where it is installed (``PURINE_ONEDNN=0`` turns it off), else numpy.
-PyTorch is a peer for the bench only, never a dependency of the package.
+(ru_maxrss above the level after imports, the kernel libraries' loading and input creation:
+PyTorch's libraries load with ``import torch``, purine's oneDNN is loaded before the level
+is taken, so neither side counts its library) is its own. Times are medians of N timed
+iterations after 2 warm-up iterations. The header names what ran purine's convolutions:
+oneDNN where it is installed (``PURINE_ONEDNN=0`` turns it off), else numpy. PyTorch is a
+peer for the bench only, never a dependency of the package.
 
 ``--layers NET`` prints where one forward+backward of NET spends its time, per Caffe layer
 and direction: purine's from its dispatcher's profiler (each op's kernel time, summed over
@@ -61,10 +65,19 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def load_kernels() -> None:
+    """Load purine's kernel library (oneDNN where installed) now, as ``import torch`` loads
+    PyTorch's, so that the peak memory above the level taken next is the run's own."""
+    from purine.backend import onednn
+
+    onednn.get()
+
+
 def run_purine(name: str, iterations: int) -> dict:
     from purine.caffe import TRAIN, Net
 
     data, label = inputs(name)
+    load_kernels()
     base = rss_mb()
     net = Net(train_net_param(name), phase=TRAIN)
     net.blobs["data"].data[...] = data
@@ -347,6 +360,10 @@ def main() -> None:
     ap.add_argument("--nets", default=",".join(NETS))
     ap.add_argument("--layers", metavar="NET", choices=list(NETS),
                     help="per-layer forward/backward times of NET, purine beside PyTorch")
+    ap.add_argument("--train-iterations", type=int, default=20, metavar="N",
+                    help="timed iterations of the training-loop comparison (default 20)")
+    ap.add_argument("--no-train-loop", action="store_true",
+                    help="skip the training-loop comparison")
     ap.add_argument("--worker", nargs=2, metavar=("FRAMEWORK", "NET"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -374,6 +391,13 @@ def main() -> None:
               f"{p['peak_mb']:10.1f} {t['peak_mb']:9.1f} "
               f"{p['peak_mb'] / max(t['peak_mb'], 1e-9):6.2f}")
         print(f"{'':15s} purine's costliest op types (ms): {p['top_ops']}")
+    if not args.no_train_loop:
+        import train_loop  # this folder; it imports this module's helpers
+
+        nets = [n for n in args.nets.split(",") if n in train_loop.SETTINGS]
+        if nets:
+            print()
+            train_loop.compare(nets, args.train_iterations, train_loop.RECORDS)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ no mean file), through ``Solver.step`` in-process, as ``purine-caffe train`` run
 runs the same layers (bench/cpu_nets.py's transcription) over the same images held in memory
 as float tensors, with ``torch.optim.SGD(momentum=0.9, weight_decay=...)``: it pays no
 decoding, which is PyTorch's best case. Each (framework, net) pair runs in a fresh subprocess
-for its own peak resident memory; the rate is the median of the timed iterations after 3
-warm-up iterations.
+for its own peak resident memory (counted as in bench/cpu_nets.py, which runs this
+comparison too); the rate is the median of the timed iterations after 3 warm-up iterations.
 """
 
 from __future__ import annotations
@@ -28,7 +28,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cpu_nets import NETS, in_workers, rss_mb, torch_model, train_net_param  # noqa: E402
+from cpu_nets import (  # noqa: E402
+    NETS,
+    in_workers,
+    load_kernels,
+    rss_mb,
+    torch_model,
+    train_net_param,
+)
 
 # net: (channels, size, transform_param text, lr, weight decay)
 SETTINGS = {
@@ -36,6 +43,7 @@ SETTINGS = {
     "cifar10_quick": (3, 32, "", 0.001, 0.004),
 }
 WARMUP = 3
+RECORDS = 2000
 
 
 def images(name: str, n: int):
@@ -76,6 +84,7 @@ def run_purine(name: str, iterations: int, records: int) -> dict:
                                    lr_policy="fixed", max_iter=iterations + WARMUP,
                                    random_seed=1, display=0, snapshot_after_train=False)
         param.net_param.CopyFrom(net)
+        load_kernels()
         base = rss_mb()
         with Solver(param) as solver:
             solver.step(WARMUP)
@@ -119,7 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--nets", default=",".join(SETTINGS))
-    ap.add_argument("--records", type=int, default=2000)
+    ap.add_argument("--records", type=int, default=RECORDS)
     ap.add_argument("--worker", nargs=2, metavar=("FRAMEWORK", "NET"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -127,14 +136,20 @@ def main() -> None:
         run = run_purine if fw == "purine" else run_torch
         print(json.dumps(run(net, args.iterations, args.records)))
         return
-    print(f"{'net':15s} {'purine img/s':>13s} {'torch img/s':>12s} {'ratio':>6s} "
-          f"{'purine MB':>10s} {'torch MB':>9s}")
-    for net in args.nets.split(","):
-        p, t = in_workers(__file__, net, ["--iterations", str(args.iterations),
-                                          "--records", str(args.records)])
+    compare(args.nets.split(","), args.iterations, args.records)
+
+
+def compare(nets: list[str], iterations: int, records: int) -> None:
+    """Print the table: each net's images/s and peak MB, purine beside PyTorch."""
+    print(f"{'training loop':15s} {'purine img/s':>13s} {'torch img/s':>12s} {'ratio':>6s} "
+          f"{'purine MB':>10s} {'torch MB':>9s} {'ratio':>6s}")
+    for net in nets:
+        p, t = in_workers(__file__, net, ["--iterations", str(iterations),
+                                          "--records", str(records)])
         # ratio: purine's time per image over PyTorch's (below 1: purine-caffe is faster)
         print(f"{net:15s} {p['img_s']:13.0f} {t['img_s']:12.0f} {t['img_s'] / p['img_s']:6.2f} "
-              f"{p['peak_mb']:10.1f} {t['peak_mb']:9.1f}")
+              f"{p['peak_mb']:10.1f} {t['peak_mb']:9.1f} "
+              f"{p['peak_mb'] / max(t['peak_mb'], 1e-9):6.2f}")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ or with ``PURINE_ONEDNN=0``, they run on numpy.
 
 Each convolution geometry gets its primitives once (descriptor creation costs milliseconds)
 on oneDNN's own blocked layouts; a call reorders its NCHW/OIHW operands into them and the
-result back. The blocked copies live in a few scratch buffers shared by all primitives, so
-the extra memory is that of the largest convolution's operands, not of every layer's.
+result back. The blocked copies live in one scratch buffer shared by all primitives, each
+call's copies side by side in it, so the extra memory is the largest one call needs (the
+blocked operands of one convolution), not a sum over layers or over operand positions.
 Pooling runs on plain NCHW, where its workspace holds each maximum's kernel offset, from
 which the forward writes Caffe's argmax mask (the backward stays numpy's, from the mask).
 """
@@ -126,6 +127,7 @@ class _Operand:
     mem: ctypes.c_void_p
     blocked_bytes: int  # 0 when the primitive reads or writes the array itself
     reorder: tuple[ctypes.c_void_p, Any] | None
+    offset: int = 0  # where the blocked copy lies in the primitive's part of the scratch
 
 
 class _Primitive:
@@ -140,6 +142,7 @@ class _Primitive:
         self.inputs: list[_Operand] = []
         self.outputs: list[_Operand] = []
         args = []
+        self.scratch_bytes = 0  # the blocked copies side by side, each aligned
         for arg, query, plain_md, is_input in operands:
             plain = dnnl.memory(plain_md)
             want = (plain_md if query is None
@@ -149,8 +152,9 @@ class _Primitive:
             else:
                 mem = dnnl.memory(want)
                 pair = (plain_md, plain, want, mem) if is_input else (want, mem, plain_md, plain)
-                op = _Operand(plain, mem, dnnl.lib.dnnl_memory_desc_get_size(want),
-                              dnnl.reorder(*pair))
+                size = dnnl.lib.dnnl_memory_desc_get_size(want)
+                op = _Operand(plain, mem, size, dnnl.reorder(*pair), self.scratch_bytes)
+                self.scratch_bytes += -(-size // _ALIGN) * _ALIGN
             self.ops.append(op)
             (self.inputs if is_input else self.outputs).append(op)
             args.append(_ExecArg(arg, op.mem.value))
@@ -164,12 +168,11 @@ class _Primitive:
         d = self.dnnl
         lib = d.lib
         with d.lock:
-            slot = 0
+            base = d.scratch(self.scratch_bytes) if self.scratch_bytes else 0
             for op, a in zip(self.ops, arrays, strict=True):
                 lib.dnnl_memory_set_data_handle(op.plain, a.ctypes.data)
                 if op.blocked_bytes:
-                    lib.dnnl_memory_set_data_handle(op.mem, d.scratch(slot, op.blocked_bytes))
-                    slot += 1
+                    lib.dnnl_memory_set_data_handle(op.mem, base + op.offset)
             for prim, args in self.steps:
                 status = lib.dnnl_primitive_execute(prim, d.stream, len(args), args)
                 if status:
@@ -204,7 +207,7 @@ class Dnnl:
         self.call("dnnl_stream_create", ctypes.byref(self.stream), self.engine, 1)
         self.lock = threading.Lock()
         self.calls = 0  # primitive runs so far (tests and benches see which path ran)
-        self._scratch: list[np.ndarray] = []
+        self._scratch = np.empty(0, np.uint8)
         self._prims: dict[tuple[Any, ...], _Primitive | None] = {}
         self._hints: dict[Any, ctypes.c_void_p] = {}
         self._pools: dict[Any, _MaxPool | None] = {}
@@ -243,14 +246,13 @@ class Dnnl:
         return self.primitive(pd), (_ExecArg * 2)(_ExecArg(_ARG_SRC, src.value),
                                                    _ExecArg(_ARG_DST, dst.value))
 
-    def scratch(self, slot: int, nbytes: int) -> int:
-        """The address of scratch buffer ``slot``, grown to at least ``nbytes``, aligned."""
-        while len(self._scratch) <= slot:
-            self._scratch.append(np.empty(0, np.uint8))
-        buf = self._scratch[slot]
-        if buf.size < nbytes + _ALIGN:
-            buf = self._scratch[slot] = np.empty(nbytes + _ALIGN, np.uint8)
-        return buf.ctypes.data + (-buf.ctypes.data) % _ALIGN
+    def scratch(self, nbytes: int) -> int:
+        """The aligned address of the scratch buffer, grown to at least ``nbytes`` (the
+        caller holds ``lock``; the address holds until the next call)."""
+        if self._scratch.size < nbytes + _ALIGN:
+            self._scratch = np.empty(0, np.uint8)  # the old buffer goes before the new comes
+            self._scratch = np.empty(nbytes + _ALIGN, np.uint8)
+        return self._scratch.ctypes.data + (-self._scratch.ctypes.data) % _ALIGN
 
     # -- convolutions ----------------------------------------------------------------------
     @staticmethod

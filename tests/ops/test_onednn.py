@@ -133,6 +133,24 @@ def test_non_contiguous_arrays_stay_on_numpy(dnnl, monkeypatch):
     np.testing.assert_array_equal(y, want)
 
 
+def test_blocked_copies_share_one_scratch_buffer(dnnl):
+    """A call's blocked copies lie side by side, aligned and disjoint, in one buffer as large
+    as the largest call needs (not one buffer per operand position, each as large as the
+    largest copy at that position)."""
+    for name in ("cifar10_quick conv2", "1x1"):
+        run_ops(GEOMETRIES[name], conv_arrays(GEOMETRIES[name]), True)
+    prim = dnnl._get("fwd_bias", GEOMETRIES["cifar10_quick conv2"])
+    blocked = [op for op in prim.ops if op.blocked_bytes]
+    if len(blocked) < 2:
+        pytest.skip("oneDNN reads this CPU's convolution operands in NCHW: nothing to share")
+    ends = [0] + [op.offset + op.blocked_bytes for op in blocked]
+    assert all(op.offset % onednn._ALIGN == 0 and op.offset >= end
+               for op, end in zip(blocked, ends))
+    assert ends[-1] <= prim.scratch_bytes
+    largest = max(p.scratch_bytes for p in dnnl._prims.values() if p is not None)
+    assert dnnl._scratch.size == largest + onednn._ALIGN
+
+
 def deconv_step(net: Net, x: np.ndarray, dy: np.ndarray) -> dict[str, np.ndarray]:
     net.forward(x=x)
     net.backward(y=dy)
