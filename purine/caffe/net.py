@@ -473,8 +473,8 @@ class Net:
         self.builder, self.graph = b, b.graph
         self.dispatcher = Dispatcher(self.graph)
         b.storage = self.dispatcher.array
-        for blob, value in b.initial.items():
-            assign(self.dispatcher.array(blob), value)
+        for blob in list(b.initial):  # the filled values go in, and need not stay twice
+            assign(self.dispatcher.array(blob), b.initial.pop(blob))
         self.layer_names = [L.param.name for L in b.layers]
         self.layer_types = [L.type for L in b.layers]
         self.blobs: OrderedDict[str, BlobView] = OrderedDict(
