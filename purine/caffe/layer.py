@@ -127,6 +127,11 @@ class LayerBuild:
         # A bottom from another memory space arrives through a Copy op into a mirror here;
         # its gradient goes back through a Copy op after this layer's backward.
         self.mirrors: dict[int, Blob] = {}
+        # Likewise a parameter this layer shares from a layer in another memory space: it
+        # reads a mirror refreshed by a Copy op in its forward pass, and its gradient goes
+        # home by a Copy op, to be summed with the other uses' there.
+        self.param_homes: dict[int, Blob] = {}
+        self.param_outs: dict[int, tuple[Blob, Blob]] = {}  # k -> (gradient here, at home)
         self.tops: list[Blob] = []
         self.params: list[Blob] = []
         self.forward_ops: list[Op] = []
@@ -219,6 +224,14 @@ class LayerBuild:
             raise
         except PurineError as e:
             raise self.error(str(e)) from None
+        if b.location.memory != self.location.memory:
+            home = b
+            b = self.net.graph.blob(f"{home.name}@{self.name}", home.shape, home.dtype,
+                                    self.location, **home.meta)
+            self.forward_ops.append(self.net.graph.op(
+                f"{self.name}/ParamIn#{k}", "Copy", [home], [b], kernel(tensor.copy),
+                self.location))
+            self.param_homes[k] = home
         self.params.append(b)
         return b
 
@@ -246,7 +259,12 @@ class LayerBuild:
         return g.blobs[name] if name in g.blobs else g.blob(name, m.shape, m.dtype, m.location)
 
     def param_diff(self, k: int) -> Blob:
-        return self.net.param_diff(self.name, k, self.params[k])
+        home = self.param_homes.get(k)
+        if home is None:
+            return self.net.param_diff(self.name, k, self.params[k])
+        here = self.net.param_grad(self.params[k])  # the mirror's gradient blob
+        self.param_outs[k] = (here, self.net.param_diff(self.name, k, home))
+        return here
 
     def scratch(self, suffix: str, shape: Sequence[int], dtype: str | None = None) -> Blob:
         """A blob private to this layer (a mask, an argmax index, a saved statistic)."""

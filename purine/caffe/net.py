@@ -280,6 +280,11 @@ class NetBuilder:
                         L.backward_ops.append(self.graph.op(
                             f"{L.name}/CopyOut#{i}", "Copy", [grad], [target],
                             kernel(tensor.copy), target.location))
+                for k, (grad, target) in L.param_outs.items():  # and to their parameters'
+                    if self.graph.writers(grad):
+                        L.backward_ops.append(self.graph.op(
+                            f"{L.name}/ParamOut#{k}", "Copy", [grad], [target],
+                            kernel(tensor.copy), target.location))
                 if self.debug:
                     self._debug_backward(L)
             elif L.save_ops:  # nothing will read the copies taken for backward
@@ -372,7 +377,8 @@ class NetBuilder:
             if parts:
                 owner = layers[uses[0][0]]
                 op = self.graph.op(f"{b.name}/SumSharedDiff", "Sum", parts,
-                                   [self.param_grad(b)], kernel(tensor.sum), self.location)
+                                   [self.param_grad(b)], kernel(tensor.sum),
+                                   owner.location)
                 owner.backward_ops.append(op)
 
 

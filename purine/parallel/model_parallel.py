@@ -33,16 +33,22 @@ class ModelParallel(Scheme):
     the layers before the first one the placement names run once per replica on its
     part of the batch, and the rest see the whole batch, split into towers where the
     placement says (``location: "replicas"``: one tower per replica). Replica r runs at
-    worker thread r of the solver's location. The run equals the unsplit net with N times
-    the batch."""
+    worker thread r of the solver's location, or at ``locations[r - 1]`` (replica 0 at the
+    solver's location), e.g. one GPU each: a copy in another memory space reads the
+    weights through a Copy op and sends its gradients home. The run equals the unsplit net
+    with N times the batch."""
 
     concurrent = True  # towers and replicas run on concurrent workers
 
-    def __init__(self, placement: str | os.PathLike | Placement, replicas: int = 1):
+    def __init__(self, placement: str | os.PathLike | Placement, replicas: int = 1,
+                 locations: Sequence[Location] | None = None):
         super().__init__(f"{replicas} replicas and a placement" if replicas > 1 else None)
         if replicas < 1:
             raise PurineError(f"a placement needs at least 1 replica, got {replicas}")
-        self.source, self.count = placement, replicas
+        if locations is not None and len(locations) != replicas - 1:
+            raise PurineError(f"{replicas} replicas need {replicas - 1} locations besides the "
+                              f"first, got {len(locations)}")
+        self.source, self.count, self.locations = placement, replicas, locations
         self.where: Placement | None = None if isinstance(placement, str | os.PathLike) \
             else placement
         self._splits: list[tuple[Net, SplitNet]] = []
@@ -56,6 +62,8 @@ class ModelParallel(Scheme):
         stages = kwargs.get("stages") or ()
         at = kwargs.get("location", CPU)
         replicas = [Location(at.device, at.index, r, at.host) for r in range(self.count)]
+        if self.locations is not None:
+            replicas = [at, *self.locations]
         split = split_towers(param, self._placement(param), phase=kwargs["phase"],
                              level=kwargs.get("level", 0), stages=stages, default=at,
                              replicas=replicas, data_parallel=kwargs["phase"] == pb.TRAIN)

@@ -202,11 +202,14 @@ def test_train_with_a_placement_file_from_the_command_line(image_db, tmp_path):
 HYBRID = ALEXNET / "one_weird_trick.placement"
 
 
-@pytest.mark.parametrize("replicas", [2, 4])
-def test_hybrid_alexnet_equals_one_net_with_the_whole_batch(image_db, tmp_path, replicas):
+@pytest.mark.parametrize("replicas,spaces", [(2, False), (4, False), (2, True)],
+                         ids=["2-workers", "4-workers", "2-memory-spaces"])
+def test_hybrid_alexnet_equals_one_net_with_the_whole_batch(image_db, tmp_path, replicas,
+                                                            spaces):
     """Krizhevsky's one weird trick: the convolutions data-parallel (each replica its own
     images, one set of weights), fc6 and fc7 split into a tower per replica over every
-    replica's images; equal to one net trained with the replicas' batches together."""
+    replica's images; equal to one net trained with the replicas' batches together. With
+    ``spaces`` replica 1 is in another memory space (the layout of one GPU per replica)."""
     param = alexnet_solver(image_db)
     for lp in param.net_param.layer:
         if lp.type == "Data":
@@ -221,7 +224,9 @@ def test_hybrid_alexnet_equals_one_net_with_the_whole_batch(image_db, tmp_path, 
     placement.write_text("".join(line for line in HYBRID.read_text().splitlines(True)
                                  if "drop" not in line))
     plain = Solver(whole, dtype="float64")
-    hybrid = build_solver(param, replicas=replicas, placement=placement, dtype="float64")
+    others = [C1] if spaces else None
+    hybrid = build_solver(param, replicas=replicas, placement=placement, dtype="float64",
+                          replica_locations=others)
     split = hybrid.scheme.split_of(hybrid.net)
     split.load(hybrid.net, {n: [v.data for v in views] for n, views in plain.net.params.items()})
     plain.step(10)
@@ -229,7 +234,7 @@ def test_hybrid_alexnet_equals_one_net_with_the_whole_batch(image_db, tmp_path, 
     assert_same_weights(split.params(hybrid.net), plain.net)
 
     net = hybrid.net
-    t = [Location("cpu", 0, r) for r in range(replicas)]
+    t = [C0, C1] if spaces else [Location("cpu", 0, r) for r in range(replicas)]
     assert net.builder.data["data"].shape == (2 * replicas, 3, 67, 67)
     assert [net.builder.data[f"pool5/replica{r}"].shape[0] for r in range(replicas)] == \
         [2] * replicas
@@ -239,7 +244,12 @@ def test_hybrid_alexnet_equals_one_net_with_the_whole_batch(image_db, tmp_path, 
     assert where["fc8"] == t[0]
     # One set of convolution weights: the copies use conv1's blob, and its gradient is
     # summed over them; fc6's weight is cut into the towers.
-    assert net.params["conv1/replica1"][0]._data is net.params["conv1"][0]._data
+    if spaces:  # replica 1 reads a copy of conv1's weights, and sends its gradient home
+        copies = {op.name for op in net.graph.ops if op.type == "Copy"}
+        assert {"conv1/replica1/ParamIn#0", "conv1/replica1/ParamOut#0"} <= copies
+        assert net.params["conv1/replica1"][0]._data.location == C1
+    else:
+        assert net.params["conv1/replica1"][0]._data is net.params["conv1"][0]._data
     learnable = {p.name for p in net.builder.learnable_params}
     assert "conv1[0]" in learnable and "conv1/replica1[0]" not in learnable
     assert net.params["fc6/tower0"][0].shape == (256 // replicas, 256)
@@ -276,3 +286,37 @@ def test_the_shipped_hybrid_placement_fits_alexnet_in_both_phases():
     test = split_towers(param, where, phase=pb.TEST, replicas=replicas)
     assert {lp.name for lp in test.net.layer} >= {"conv1", "fc6/tower0", "fc6/tower1"}
     assert not test.replica_of and "conv1/replica1" not in {lp.name for lp in test.net.layer}
+
+
+SHARED = """
+name: "shared"
+layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 3 dim: 4 } } }
+layer { name: "a" type: "InnerProduct" bottom: "x" top: "a" param { name: "w" } param { name: "b" }
+  inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.5 }
+  bias_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "t" type: "TanH" bottom: "a" top: "t" }
+layer { name: "c" type: "InnerProduct" bottom: "t" top: "c" param { name: "w" } param { name: "b" }
+  inner_product_param { num_output: 4 } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "c" bottom: "x" top: "loss" }
+"""
+
+
+def test_a_weight_shared_across_memory_spaces_is_mirrored_and_its_gradient_summed_home():
+    param = pb.NetParameter()
+    text_format.Parse(SHARED, param)
+    x = np.random.default_rng(2).standard_normal((3, 4))
+    nets = [Net(param, phase=pb.TRAIN, dtype="float64"),
+            Net(param, phase=pb.TRAIN, dtype="float64", placement={"c": C1, "t": C1})]
+    for net in nets:
+        net.params["a"][0].data[...] = nets[0].params["a"][0].data
+        net.params["a"][1].data[...] = nets[0].params["a"][1].data
+        net.forward(x=x)
+        net.backward()
+    plain, placed = nets
+    assert placed.params["c"][0]._data.location == C1  # a mirror of a's weight
+    assert placed.builder.learnable_params == [placed.params["a"][0]._data,
+                                               placed.params["a"][1]._data]
+    assert placed.loss == pytest.approx(plain.loss, rel=1e-12)
+    for k in range(2):
+        np.testing.assert_allclose(placed.params["a"][k].diff, plain.params["a"][k].diff,
+                                   rtol=1e-12, atol=1e-14)
