@@ -167,8 +167,9 @@ def _train(args: argparse.Namespace, comm) -> int:
         # ranks of unequal GPU counts, would issue different collectives
         same_on_every_rank(comm, len(gpus), "the number of GPUs (--gpu)")
         per_rank = len(gpus) if len(gpus) > 1 else args.replicas
-        log.info("MPI: %d ranks x %d replicas (%d replicas in all)", comm.size, per_rank,
-                 comm.size * per_rank)
+        if args.staleness is None:  # Downpour logs its own layout
+            log.info("MPI: %d ranks x %d replicas (%d replicas in all)", comm.size, per_rank,
+                     comm.size * per_rank)
     if gpus and args.staleness is not None:
         raise PurineError("--async runs on the CPU; drop --gpu or --async")
     if len(gpus) > 1 and args.replicas > 1:
@@ -187,8 +188,19 @@ def _train(args: argparse.Namespace, comm) -> int:
         raise PurineError("--placement with --async is not supported: a placed net trains "
                           "synchronously")
     if args.staleness is not None:  # asynchronous: a parameter server and stale replicas
-        if comm is not None:
-            raise PurineError("--async trains in one process; it cannot be combined with MPI")
+        if comm is not None:  # Downpour over MPI: rank 0 serves, every other rank works
+            if args.replicas > 1:
+                raise PurineError("--async under MPI runs one worker per rank: drop "
+                                  "--replicas and start more ranks")
+            if args.trace:
+                raise PurineError("--trace with --async under MPI is not supported: the "
+                                  "workers' passes run in other processes")
+            from purine.parallel import mpi_async
+
+            return mpi_async.leave(*mpi_async.train(
+                param, comm, staleness=args.staleness, heartbeat=args.heartbeat,
+                resume=args.snapshot, sigint=args.sigint_effect, sighup=args.sighup_effect,
+                log=log, path=args.solver, threads=args.threads))
         from purine.parallel.async_ps import AsyncSolver
 
         solver = AsyncSolver(param, path=args.solver, threads=args.threads, log=log,
@@ -203,7 +215,7 @@ def _train(args: argparse.Namespace, comm) -> int:
         solver = build_solver(param, path=args.solver, threads=args.threads, log=log,
                               replicas=replicas, comm=comm, replica_locations=others,
                               location=_location(gpus), share_memory=args.share_memory,
-                              placement=args.placement)
+                              placement=args.placement, update_worker=args.update_worker)
         if args.placement:
             log.info("Placement %s: each layer it names runs where it says, split into towers "
                      "where it gives several locations", args.placement)
@@ -345,7 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
           help="asynchronous parameter-server training (Downpour style): the --replicas "
                "replicas pull the weights, compute and push their gradients on their own, "
                "each push one solver iteration; a replica waits while it is more than S "
-               "pushes ahead of the slowest (0: in rounds). Not deterministic")
+               "pushes ahead of the slowest (0: in rounds). Not deterministic. Under "
+               "mpiexec -n N: rank 0 is the server and ranks 1..N-1 one worker each")
+    _flag(p, "heartbeat", type=_int_in(1, 86400, " (seconds)"), default=30, metavar="T",
+          help="--async under MPI: a worker (or the server) silent for T seconds is lost; "
+               "training goes on with the others (default 30)")
     p.add_argument("-mpi", "--mpi", action=argparse.BooleanOptionalAction, default=None,
                    help="train one model across the processes of `mpirun -np R` (needs "
                         "mpi4py; the default when an MPI launcher started several): rank k "
@@ -357,6 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
           help="a placement file (model parallelism): where each named layer runs and "
                "updates its parameters; a layer given several locations is split into towers; "
                "snapshots stay the unsplit net's files")
+    _flag(p, "update-worker", action="store_true", dest="update_worker",
+          help="run the solver's update ops on a dispatcher worker of their own, beside the "
+               "backward pass (same numbers; off by default: on 2 cores it was 0.88-1.0x "
+               "as fast, bench/update_worker.py)")
     p.set_defaults(run=cmd_train)
 
     p = sub.add_parser("test", help="score a model: run the TEST net and average outputs")

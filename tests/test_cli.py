@@ -284,3 +284,17 @@ def test_solver_mode_gpu_without_a_gpu_trains_on_the_cpu(tmp_path):
     r = cli("train", "--solver", solver)
     assert r.returncode == 0, r.stderr
     assert "solver_mode is GPU but" in r.stderr and "training on the CPU" in r.stderr
+
+
+def test_update_worker_puts_the_update_ops_on_a_track_of_their_own(tmp_path):
+    import json
+
+    solver = write_solver(tmp_path)
+    r = cli("train", "--solver", solver, "--update-worker", "--trace", str(tmp_path / "t.json"))
+    assert r.returncode == 0, r.stderr
+    trace = json.loads((tmp_path / "t.json").read_text())
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    tracks = {names[e["tid"]] for e in trace["traceEvents"]
+              if e["ph"] == "X" and e["name"].endswith("/update")}
+    assert tracks == {"parameter server"}, tracks  # the worker that runs only updates

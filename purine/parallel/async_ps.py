@@ -7,7 +7,9 @@ the train graph under ``replica{r}/`` (not bound to the master parameters) at wo
 ``r + 1``; pull ops copy master parameters to the replica's, push ops copy its gradients
 into the server's gradient blobs, which the solver's update ops (at thread 0) read. Each
 replica's ops run in its own Python thread (numpy releases the GIL in its kernels), and a
-lock serializes pulls and pushes, so each push is one solver iteration.
+lock serializes pulls and pushes, so each push is one solver iteration. ``ParameterServer``
+is the server side alone, shared with the replicas in other processes of
+purine.parallel.mpi_async.
 
 Async training is not deterministic: which replica pushes when, and so the weights, depend on
 how the threads interleave.
@@ -63,7 +65,7 @@ class Worker:
 
 
 @dataclass
-class _Run:
+class Run:
     """One ``step(iters)``: its push budget and how it ends."""
 
     iters: int
@@ -77,9 +79,83 @@ class _Run:
         return self.failure is not None or self.stopped or self.claimed >= self.iters
 
 
-class AsyncSolver(Solver):
+class ParameterServer(Solver):
+    """The server side of Downpour, wherever its replicas run: the master weights, the
+    solver's own update ops run once per push, and around each push what ``Solver.step``
+    does around an iteration (tests, display, snapshots, requests). ``pushes[r]`` counts
+    replica r's pushes; a replica in ``live`` may not pull while it has pushed more than
+    ``staleness`` times more than the slowest live one. ``pull_log`` records every pull.
+    A subclass says how a push reaches the gradient blobs (``_push``)."""
+
+    def __init__(self, source: str | os.PathLike | pb.SolverParameter, *, replicas: int,
+                 staleness: int, scheme: Scheme, **kwargs: Any):
+        if replicas < 1:
+            raise PurineError(f"async training needs at least 1 replica, got {replicas}")
+        if staleness < 0:
+            raise PurineError(f"staleness must be 0 or more, got {staleness}")
+        super().__init__(source, scheme=scheme, **kwargs)
+        self.staleness = staleness
+        self.pushes = [0] * replicas
+        self.live = set(range(replicas))  # replicas that still push (a lost one does not)
+        self.pull_log: list[Pull] = []
+        self._last: dict[int, dict[str, np.ndarray]] = {}  # a replica's last outputs
+
+    def _server_grads(self) -> dict[Blob, Blob]:
+        """For each gradient blob the update ops read through (``u.grad``), the blob a push
+        writes: the gradient itself, or its accumulator when iter_size > 1. The master
+        net's own backward never runs, so within a run the push is its one writer."""
+        target = {u.grad: u.grad for u in self.updates}
+        target.update({o.inputs[0]: o.outputs[0] for o in self.accumulate_ops})
+        return target
+
+    def _ahead(self, replica: int) -> int:
+        return self.pushes[replica] - min(self.pushes[r] for r in self.live)
+
+    def _log_pull(self, replica: int) -> None:
+        self.pull_log.append(Pull(replica, self.iter, tuple(self.pushes)))
+
+    def _push(self, replica: int) -> None:
+        """Replica ``replica``'s gradients into the gradient blobs, then one solver update."""
+        raise NotImplementedError
+
+    def _updated(self, replica: int) -> None:
+        """Count a push whose update ops have run."""
+        self._iter_host += 1  # the update ops advanced the counter blob
+        self.pushes[replica] += 1
+
+    def _server_iteration(self, replica: int, loss: float, run: Run) -> None:
+        """A push with what ``Solver.step`` does around an iteration: test first, then the
+        update, the loss check and display, snapshots and requests."""
+        p, log = self.param, self.log
+        it = self.iter
+        if p.test_interval and it % p.test_interval == 0 and (it > 0 or p.test_initialization):
+            self.test_all()
+        self._push(replica)
+        if not math.isfinite(loss):
+            raise DivergenceError(f"iteration {it} (replica {replica}): the loss is {loss}; "
+                                  "training stopped (the last snapshot is intact)")
+        self.smoothed.append(loss)
+        if p.display and it % p.display == 0:
+            lapse = time.perf_counter() - run.t_start
+            per_s = (it + 1 - run.it_start) / lapse if lapse > 0 else 0.0
+            log.info("Iteration %d (%g iter/s, %.3fs/%d iters), loss = %g", it, per_s, lapse,
+                     p.display, sum(self.smoothed) / len(self.smoothed))
+            run.t_start, run.it_start = time.perf_counter(), it + 1
+            self._log_outputs(self.net, "Train", self._last[replica])
+            log.info("Iteration %d, lr = %g", it, so.rate(it=it, **self._lr_params()))
+        if p.snapshot and self.iter % p.snapshot == 0:
+            self.snapshot()
+        action = self.requested()
+        if action == "snapshot":
+            self.snapshot()
+        elif action == "stop":
+            run.stopped = True
+
+
+class AsyncSolver(ParameterServer):
     """``AsyncSolver(solver_prototxt, replicas=N, staleness=S)``: a Solver whose ``step``
-    trains N asynchronous replicas against its net's parameters (the server). A replica may
+    trains N asynchronous replicas in this process against its net's parameters (the
+    server, a ParameterServer). A replica may
     not pull while it has pushed more than S times more than the slowest replica, so S=0
     runs the replicas in rounds of one push each. Learning rate, display, test intervals,
     snapshots and stop/snapshot requests follow the solver parameter per push, as
@@ -89,21 +165,14 @@ class AsyncSolver(Solver):
                  staleness: int = 0, level: int | None = None,
                  stages: Sequence[str] | None = None, threads: int = 1, log=None,
                  path: str | None = None):
-        if replicas < 1:
-            raise PurineError(f"async training needs at least 1 replica, got {replicas}")
-        if staleness < 0:
-            raise PurineError(f"staleness must be 0 or more, got {staleness}")
-        super().__init__(source, level=level, stages=stages, threads=threads, log=log,
-                         path=path, scheme=Scheme(f"{replicas} asynchronous replicas"))
-        self.staleness = staleness
+        super().__init__(source, replicas=replicas, staleness=staleness, level=level,
+                         stages=stages, threads=threads, log=log, path=path,
+                         scheme=Scheme(f"{replicas} asynchronous replicas"))
         p = self.param
         lv = p.train_state.level if level is None else level
         st = tuple(p.train_state.stage) if stages is None else tuple(stages)
         self.workers = [self._add_replica(r, replicas, lv, st) for r in range(replicas)]
-        self.pushes = [0] * replicas
-        self.pull_log: list[Pull] = []
         self._lock = threading.Condition()  # the server: pulls, pushes, tests, snapshots
-        self._last: dict[int, dict[str, np.ndarray]] = {}  # a replica's last outputs
         self.log.info("Asynchronous training: %d replicas, staleness %d", replicas, staleness)
 
     # -- building -------------------------------------------------------------------------
@@ -125,11 +194,7 @@ class AsyncSolver(Solver):
         for p in master.learnable_params:
             w.pull_ops.append(g.op(f"{prefix}pull/{p.name}", "Copy", [p], [mapped[p.name]],
                                    kernel(tensor.copy), loc))
-        # The solver's update ops read a gradient per active parameter: the master net's
-        # param_grad, or its accumulator when iter_size > 1. The master net's own
-        # backward never runs in async mode, so within any run the push is its one writer.
-        server_grad = {u.grad: u.grad for u in self.updates}
-        server_grad.update({o.inputs[0]: o.outputs[0] for o in self.accumulate_ops})
+        server_grad = self._server_grads()
         for u in self.updates:
             if u.param.meta["lr_mult"] == 0:
                 continue
@@ -151,7 +216,7 @@ class AsyncSolver(Solver):
     # -- one replica's steps --------------------------------------------------------------
     def _pull(self, w: Worker) -> None:
         """Copy the master weights into replica ``w`` (the caller holds the server lock)."""
-        self.pull_log.append(Pull(w.index, self.iter, tuple(self.pushes)))
+        self._log_pull(w.index)
         self.net.dispatcher.run(w.pull_ops)
 
     def _compute(self, w: Worker) -> float:
@@ -166,12 +231,11 @@ class AsyncSolver(Solver):
         self._last[w.index] = {k: np.array(d.array(b)) for k, b in w.outputs.items()}
         return loss / n
 
-    def _push(self, w: Worker) -> None:
-        """Replica ``w``'s gradients into the server, then one solver update (the caller
+    def _push(self, replica: int) -> None:
+        """The replica's gradients into the server, then one solver update (the caller
         holds the server lock)."""
-        self.net.dispatcher.run(w.push_ops + self.update_ops)
-        self._iter_host += 1  # the update ops advanced the counter blob
-        self.pushes[w.index] += 1
+        self.net.dispatcher.run(self.workers[replica].push_ops + self.update_ops)
+        self._updated(replica)
 
     def _iteration(self) -> float:
         """One push by replica 0 in the calling thread (what ``trace_iteration`` records)."""
@@ -180,7 +244,7 @@ class AsyncSolver(Solver):
             self._pull(w)
         loss = self._compute(w)
         with self._lock:
-            self._push(w)
+            self._push(w.index)
             self._lock.notify_all()
         return loss
 
@@ -190,7 +254,7 @@ class AsyncSolver(Solver):
         replica stops the others and is raised here."""
         if iters <= 0:
             return
-        run = _Run(iters, it_start=self.iter)
+        run = Run(iters, it_start=self.iter)
         threads = [threading.Thread(target=self._replica_loop, args=(w, run), daemon=True,
                                     name=f"purine-async-replica{w.index}")
                    for w in self.workers]
@@ -211,11 +275,12 @@ class AsyncSolver(Solver):
         if run.stopped:
             self.stopped_early = True
 
-    def _replica_loop(self, w: Worker, run: _Run) -> None:
+    def _replica_loop(self, w: Worker, run: Run) -> None:
         try:
             while True:
                 with self._lock:
-                    self._lock.wait_for(lambda: run.over() or self._ahead(w) <= self.staleness)
+                    self._lock.wait_for(lambda: run.over()
+                                        or self._ahead(w.index) <= self.staleness)
                     if run.over():
                         return
                     run.claimed += 1
@@ -225,44 +290,13 @@ class AsyncSolver(Solver):
                     if run.failure is not None or run.stopped:
                         return  # training ended while this replica computed
                     try:
-                        self._server_iteration(w, loss, run)
+                        self._server_iteration(w.index, loss, run)
                     finally:
                         self._lock.notify_all()
         except BaseException as e:
             with self._lock:
                 run.failure = run.failure or e
                 self._lock.notify_all()
-
-    def _ahead(self, w: Worker) -> int:
-        return self.pushes[w.index] - min(self.pushes)
-
-    def _server_iteration(self, w: Worker, loss: float, run: _Run) -> None:
-        """A push with what ``Solver.step`` does around an iteration: test first, then the
-        update, the loss check and display, snapshots and requests."""
-        p, log = self.param, self.log
-        it = self.iter
-        if p.test_interval and it % p.test_interval == 0 and (it > 0 or p.test_initialization):
-            self.test_all()
-        self._push(w)
-        if not math.isfinite(loss):
-            raise DivergenceError(f"iteration {it} (replica {w.index}): the loss is {loss}; "
-                                  "training stopped (the last snapshot is intact)")
-        self.smoothed.append(loss)
-        if p.display and it % p.display == 0:
-            lapse = time.perf_counter() - run.t_start
-            per_s = (it + 1 - run.it_start) / lapse if lapse > 0 else 0.0
-            log.info("Iteration %d (%g iter/s, %.3fs/%d iters), loss = %g", it, per_s, lapse,
-                     p.display, sum(self.smoothed) / len(self.smoothed))
-            run.t_start, run.it_start = time.perf_counter(), it + 1
-            self._log_outputs(self.net, "Train", self._last[w.index])
-            log.info("Iteration %d, lr = %g", it, so.rate(it=it, **self._lr_params()))
-        if p.snapshot and self.iter % p.snapshot == 0:
-            self.snapshot()
-        action = self.requested()
-        if action == "snapshot":
-            self.snapshot()
-        elif action == "stop":
-            run.stopped = True
 
     # -- state ----------------------------------------------------------------------------
     def _stateful(self) -> dict[str, Any]:
