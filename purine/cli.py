@@ -130,6 +130,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if comm is not None and comm.rank != 0:
         get_logger().setLevel(logging.WARNING)  # rank 0 alone logs
     with mpi.abort_on_error(comm):
+        if comm is not None:
+            shared = mpi.share_cores(comm)
+            if shared:
+                get_logger().info("MPI: %s", shared)
         return _train(args, comm)
 
 

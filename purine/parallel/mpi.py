@@ -104,6 +104,38 @@ def local_rank(comm: Any) -> int:
         node.Free()
 
 
+def share_cores(comm: Any) -> str | None:
+    """Ranks on one machine split its cores: each rank's OpenBLAS and OpenMP (oneDNN) get
+    cores / ranks threads, unless the user set OPENBLAS_NUM_THREADS or OMP_NUM_THREADS.
+    Without this, on 2 cores, 2 ranks of CIFAR-10 quick on numpy's OpenBLAS (2 threads
+    each) ran 0.29-0.32 iterations/s against 5.1-6.1 with one thread each. Collective;
+    returns what it did, in words, or None where a rank has its machine to itself."""
+    from purine.backend import set_blas_threads
+
+    node = comm.Split_type(_mpi().COMM_TYPE_SHARED)
+    try:
+        ranks = node.size
+    finally:
+        node.Free()
+    if ranks <= 1:
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    threads = max(1, cores // ranks)
+    done = []
+    if "OMP_NUM_THREADS" not in os.environ:  # read when the OpenMP runtime loads (oneDNN)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        done.append("OpenMP")
+    if "OPENBLAS_NUM_THREADS" not in os.environ and set_blas_threads(threads) is not None:
+        done.append("OpenBLAS")
+    if not done:
+        return f"{ranks} ranks on this machine; thread counts as the environment sets them"
+    return (f"{ranks} ranks share this machine's {cores} cores: {threads} "
+            f"{' and '.join(done)} thread(s) each")
+
+
 def all_reduce_mean(grad: Any, token: Any, grad_out: Any, token_out: Any, *, comm: Any) -> None:
     """The gradient, already averaged over this rank's replicas, becomes the average over
     every rank's (in place); the token only orders these ops."""

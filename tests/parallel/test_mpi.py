@@ -214,3 +214,40 @@ def test_mpi_without_mpi4py_is_a_clear_error(no_launcher, monkeypatch, capsys, t
     err = capsys.readouterr().err
     assert why in err and "pip install 'purine-caffe[mpi]'" in err, err
     assert not list(tmp_path.glob("lenet_*"))
+
+
+class Node:
+    def __init__(self, size):
+        self.size = size
+
+    def Free(self):
+        pass
+
+
+class Job:
+    def __init__(self, ranks_here):
+        self.ranks_here = ranks_here
+
+    def Split_type(self, kind):
+        assert kind == "shared"
+        return Node(self.ranks_here)
+
+
+def test_ranks_on_one_machine_split_its_cores_unless_the_environment_says(monkeypatch):
+    import purine.backend as backend
+
+    monkeypatch.setattr(mpi, "_mpi", lambda: SimpleNamespace(COMM_TYPE_SHARED="shared"))
+    monkeypatch.setattr(mpi.os, "sched_getaffinity", lambda pid: set(range(8)))
+    asked = []
+    monkeypatch.setattr(backend, "set_blas_threads", lambda n: asked.append(n) or 8)
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        monkeypatch.setenv(name, "0")  # so that the end of the test restores the original
+        monkeypatch.delenv(name)
+    assert mpi.share_cores(Job(1)) is None and asked == []
+    assert mpi.share_cores(Job(4)) == ("4 ranks share this machine's 8 cores: 2 OpenMP and "
+                                       "OpenBLAS thread(s) each")
+    assert asked == [2] and mpi.os.environ["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert mpi.share_cores(Job(4)).endswith("thread counts as the environment sets them")
+    assert asked == [2]
