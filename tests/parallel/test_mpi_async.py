@@ -230,6 +230,7 @@ class Rank0Of3:
 def test_bad_combinations_are_refused(monkeypatch, capsys, tmp_path, mnist_dbs,  # noqa: F811
                                       extra, message):
     monkeypatch.setattr(mpi, "world", lambda requested=None: Rank0Of3())
+    monkeypatch.setattr(mpi, "share_cores", lambda comm: None)  # a pretend job: no machine
     solver = tmp_path / "solver.prototxt"
     solver.write_text(text_format.MessageToString(lenet(mnist_dbs, batch=8, iters=1)))
     with pytest.raises(SystemExit) as e:
