@@ -442,7 +442,7 @@ class Net:
                  replica: tuple[int, int] = (0, 1),
                  placement: dict[str, Location] | None = None,
                  replica_of: dict[str, str] | None = None,
-                 location: Location = CPU):
+                 location: Location = CPU, host: int | None = None):
         for a in args:
             if isinstance(a, int | str) and a in _PHASES and phase is None:
                 phase = a
@@ -455,6 +455,9 @@ class Net:
         self._level, self._stages, self._seed, self._threads = level, tuple(stages), seed, threads
         self._dtype, self._replica, self._placement = dtype, replica, placement
         self._replica_of = replica_of
+        # The MPI rank of this process where the placement spans several: it runs (and
+        # allocates) its share of the graph; None: all of it
+        self.host = host
         self.location = location  # where the layers run (Python layers stay on the host)
         self._input_shapes: dict[str, tuple[int, ...]] = {}  # requested by blob reshapes
         # Input blobs reshaped since the last build: host arrays of their new shapes, which
@@ -477,10 +480,12 @@ class Net:
                        location=self.location, previous=previous)
         b.previous = None  # the old build may go
         self.builder, self.graph = b, b.graph
-        self.dispatcher = Dispatcher(self.graph)
+        self.dispatcher = Dispatcher(self.graph, host=self.host)
         b.storage = self.dispatcher.array
         for blob in list(b.initial):  # the filled values go in, and need not stay twice
-            assign(self.dispatcher.array(blob), b.initial.pop(blob))
+            value = b.initial.pop(blob)
+            if self.host is None or blob.location.host == self.host:
+                assign(self.dispatcher.array(blob), value)
         self.layer_names = [L.param.name for L in b.layers]
         self.layer_types = [L.type for L in b.layers]
         self.blobs: OrderedDict[str, BlobView] = OrderedDict(

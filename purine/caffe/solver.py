@@ -161,6 +161,11 @@ class Scheme:
         """The private snapshot state to write; None where this process writes nothing."""
         return private
 
+    def gather_weights(self, solver: Solver) -> None:
+        """Bring the parameters and their history to the process that tests and writes
+        snapshots, where other processes hold some (a placement over MPI ranks); called on
+        every process before tests and snapshots."""
+
     def gather_trace(self, events: list[dict]) -> list[dict] | None:
         """The trace rows (purine.runtime.trace) to write, from this process's; None where
         this process writes none."""
@@ -735,6 +740,7 @@ class Solver:
                 k += 1
 
     def test_all(self) -> list[dict[str, np.ndarray]]:
+        self.scheme.gather_weights(self)
         self.last_test = [self.test(i) for i in range(len(self.test_nets))]
         return self.last_test
 
@@ -769,6 +775,7 @@ class Solver:
         base = f"{self._prefix()}_iter_{self.iter}"
         ext = ".h5" if hdf5 else ""
         model, state = base + ".caffemodel" + ext, base + ".solverstate" + ext
+        self.scheme.gather_weights(self)  # MPI: collective
         private = self.scheme.gather_state(self._private_state())  # MPI: collective
         if private is None:  # another process writes
             return model, state

@@ -239,11 +239,8 @@ def build_solver(source: str | os.PathLike | pb.SolverParameter, *, replicas: in
     replica_locations)`` says, or with ``placement`` (a placement file or locations by
     layer name) as ``ModelParallel(placement)`` says."""
     if placement is not None:
-        if comm is not None:
-            raise PurineError("a placement runs in one process: it cannot be combined with "
-                              "MPI ranks")
         from purine.parallel.model_parallel import ModelParallel
 
-        return Solver(source, scheme=ModelParallel(placement, replicas, replica_locations),
-                      **kwargs)
+        return Solver(source, scheme=ModelParallel(placement, replicas, replica_locations,
+                                                   comm), **kwargs)
     return Solver(source, scheme=DataParallel(replicas, comm, replica_locations), **kwargs)

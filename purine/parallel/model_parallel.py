@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -36,18 +37,38 @@ class ModelParallel(Scheme):
     worker thread r of the solver's location, or at ``locations[r - 1]`` (replica 0 at the
     solver's location), e.g. one GPU each: a copy in another memory space reads the
     weights through a Copy op and sends its gradients home. The run equals the unsplit net
-    with N times the batch."""
+    with N times the batch.
+
+    With ``comm``, an mpi4py communicator of R ranks, the placement spans processes: a
+    location ``rankH/cpu:0`` is on rank H, the word ``replicas`` stands for the R ranks (one
+    replica each), and every rank builds the whole graph and runs its share of it; a Copy
+    op between ranks is an MPI message (purine.parallel.mpi.Messages). Rank 0 holds the
+    loss and the outputs, logs, tests and writes snapshots with every rank's weights
+    gathered to it."""
 
     concurrent = True  # towers and replicas run on concurrent workers
 
     def __init__(self, placement: str | os.PathLike | Placement, replicas: int = 1,
-                 locations: Sequence[Location] | None = None):
+                 locations: Sequence[Location] | None = None, comm: Any = None):
+        comm = comm if comm is not None and comm.size > 1 else None
+        if comm is not None:
+            if replicas > 1 or locations:
+                raise PurineError("a placement over MPI ranks takes one replica per rank: "
+                                  "drop --replicas and --gpu lists")
+            replicas = comm.size
         super().__init__(f"{replicas} replicas and a placement" if replicas > 1 else None)
         if replicas < 1:
             raise PurineError(f"a placement needs at least 1 replica, got {replicas}")
         if locations is not None and len(locations) != replicas - 1:
             raise PurineError(f"{replicas} replicas need {replicas - 1} locations besides the "
                               f"first, got {len(locations)}")
+        self.comm = comm
+        if comm is not None:
+            from purine.parallel.mpi import Messages, Ranks
+
+            self.ranks, self.messages = Ranks(comm, 1), Messages(comm)
+            self.root = comm.rank == 0
+            self.description = f"a placement over {comm.size} MPI ranks"
         self.source, self.count, self.locations = placement, replicas, locations
         self.where: Placement | None = None if isinstance(placement, str | os.PathLike) \
             else placement
@@ -62,14 +83,67 @@ class ModelParallel(Scheme):
         stages = kwargs.get("stages") or ()
         at = kwargs.get("location", CPU)
         replicas = [Location(at.device, at.index, r, at.host) for r in range(self.count)]
-        if self.locations is not None:
+        if self.comm is not None:  # a replica per rank
+            replicas = [Location(at.device, at.index, 0, r) for r in range(self.count)]
+        elif self.locations is not None:
             replicas = [at, *self.locations]
+        train = kwargs["phase"] == pb.TRAIN
         split = split_towers(param, self._placement(param), phase=kwargs["phase"],
                              level=kwargs.get("level", 0), stages=stages, default=at,
-                             replicas=replicas, data_parallel=kwargs["phase"] == pb.TRAIN)
-        net = Net(split.net, placement=split.placement, replica_of=split.replica_of, **kwargs)
+                             replicas=replicas, data_parallel=train)
+        if train and self.count > 1 and self.comm is None and not split.replicated:
+            raise PurineError(f"{self.count} replicas with a placement that names the net's "
+                              "first layer: no layer is left to run once per replica (name "
+                              "only the layers from the first model-parallel one on)")
+        placement = split.placement
+        if self.comm is not None and not train:  # rank 0 alone tests, all of it its own
+            placement = {k: replace(loc, host=0) for k, loc in placement.items()}
+        host = self.comm.rank if self.comm is not None and train else None
+        net = Net(split.net, placement=placement, replica_of=split.replica_of, host=host,
+                  **kwargs)
+        if host is not None:
+            net.dispatcher.transport = self.messages
+            self._check_root(net, split)
         self._splits.append((net, split))
         return net
+
+    @staticmethod
+    def _check_root(net: Net, split: SplitNet) -> None:
+        """Rank 0 logs the loss and the outputs: they must be computed there."""
+        b = net.builder
+        away = [t.name for t, _ in b.loss_tops if t.location.host != 0]
+        away += [n for n in net.outputs if b.data[n].location.host != 0]
+        if away:
+            raise PurineError(f"net '{split.original.name}': a placement over MPI ranks must "
+                              f"leave the loss and the outputs on rank 0, where the solver "
+                              f"logs them; {', '.join(sorted(set(away)))} would be elsewhere")
+
+    # -- the collectives of a placement over ranks ---------------------------------------
+    def loss(self, loss: Any, dispatcher: Any) -> Any:
+        if self.comm is None:
+            return loss
+        return self.comm.bcast(float(loss) if self.root else None, root=0)
+
+    def agree(self, action: str) -> str:
+        return action if self.comm is None else self.ranks.agree(action)
+
+    def gather_state(self, private: dict) -> dict | None:
+        return private if self.root else None
+
+    def gather_weights(self, solver: Any) -> None:
+        """Every parameter and history blob held by another rank comes to rank 0, in one
+        order on every rank (blocking messages, tags above the graph's ops)."""
+        if self.comm is None:
+            return
+        d, rank = solver.net.dispatcher, self.comm.rank
+        blobs = [b for u in solver.updates for b in [u.param, *u.history]
+                 if b.location.host != 0]
+        tag0 = len(solver.net.graph.ops)
+        for i, b in enumerate(blobs):
+            if rank == b.location.host:
+                self.messages.send(d.array(b), 0, tag0 + i)
+            elif rank == 0:
+                self.messages.receive(d.array(b), b.location.host, tag0 + i)
 
     def split_of(self, net: Net) -> SplitNet:
         for n, split in self._splits:

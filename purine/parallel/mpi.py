@@ -12,6 +12,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from purine.backend import assign, is_device_array, to_host
 from purine.errors import PurineError
 from purine.graph import Blob, Graph, Location, Op, kernel
@@ -134,6 +136,27 @@ def share_cores(comm: Any) -> str | None:
         return f"{ranks} ranks on this machine; thread counts as the environment sets them"
     return (f"{ranks} ranks share this machine's {cores} cores: {threads} "
             f"{' and '.join(done)} thread(s) each")
+
+
+class Messages:
+    """The dispatcher's transport between ranks (purine.runtime.dispatcher.Transport): a
+    Copy op from one rank to another is a blocking MPI send there and a receive here, at
+    each rank's transfer worker, tagged with the op's place in the graph. A GPU array goes
+    through host memory (no CUDA-aware MPI needed)."""
+
+    def __init__(self, comm: Any):
+        self.comm = comm
+
+    def send(self, array: Any, host: int, tag: int) -> None:
+        self.comm.Send(np.ascontiguousarray(to_host(array)), dest=host, tag=tag)
+
+    def receive(self, array: Any, host: int, tag: int) -> None:
+        if is_device_array(array) or not array.flags.c_contiguous:
+            buf = np.empty(array.shape, array.dtype)
+            self.comm.Recv(buf, source=host, tag=tag)
+            assign(array, buf)
+        else:
+            self.comm.Recv(array, source=host, tag=tag)
 
 
 def all_reduce_mean(grad: Any, token: Any, grad_out: Any, token_out: Any, *, comm: Any) -> None:

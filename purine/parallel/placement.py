@@ -185,6 +185,7 @@ class SplitNet:
     # (the layer itself included); build the net with ``Net(..., replica_of=...)``
     replica_of: dict[str, str] = field(default_factory=dict)
     batched: frozenset[str] = frozenset()  # blobs held as the replicas' parts of the batch
+    replicated: bool = False  # some layers run once per replica (hybrid parallelism)
 
     def split_params(self, params: Mapping[str, Sequence[np.ndarray]]
                      ) -> dict[str, list[np.ndarray]]:
@@ -577,7 +578,9 @@ def split_towers(net_param: pb.NetParameter,
     replicas' batches at once, and every layer before the first one ``placement`` names
     runs once per replica on its part of the batch (``_Rewrite.replicate``); the named
     layers and all after them see the whole batch, e.g. fully connected layers split into
-    one tower per replica. The result equals the unsplit net with the whole batch."""
+    one tower per replica. The result equals the unsplit net with the whole batch. Where
+    the placement names the first layer with bottoms, nothing is replicated and the batch
+    stays as written (``SplitNet.replicated`` is False)."""
     param = read_net(net_param)
     state = pb.NetState()
     state.CopyFrom(param.state)
@@ -593,11 +596,15 @@ def split_towers(net_param: pb.NetParameter,
         where[name] = tuple(x for loc in locs
                             for x in (replicas if loc == REPLICAS else [loc]))
     r = _Rewrite(param, default)
-    trunk = data_parallel and len(replicas) > 1  # the replicated layers come first
+    # The replicated layers come first: those with bottoms before the first layer named.
+    first = next((i for i, lp in enumerate(param.layer) if lp.name in where), len(param.layer))
+    replicated = data_parallel and len(replicas) > 1 and any(
+        lp.bottom for lp in param.layer[:first])
+    trunk = replicated
     for lp in param.layer:
         locs = where.get(lp.name)
         trunk = trunk and locs is None
-        if data_parallel and len(replicas) > 1 and not lp.bottom:
+        if replicated and not lp.bottom:
             r.whole_batch(lp, len(replicas))
         elif trunk:
             r.replicate(lp, replicas)
@@ -616,7 +623,7 @@ def split_towers(net_param: pb.NetParameter,
             if v.parts is None:
                 batched.add(name)
     return SplitNet(r.out, r.placement, r.towers, blobs, param, r.replica_of,
-                    frozenset(batched))
+                    frozenset(batched), replicated)
 
 
 def place(net_param: pb.NetParameter, path: str | os.PathLike, *, phase: int = pb.TRAIN,

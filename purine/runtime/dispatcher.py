@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from purine.backend import activate, allocate, record, stream, wait
 from purine.errors import PurineError
@@ -36,18 +36,54 @@ class TraceEvent:
     thread: str
 
 
-class _Plan:
-    """Dependency counts and dependents of one op sequence, derived once and reused."""
+class Transport(Protocol):
+    """How a Copy op between hosts (MPI ranks) moves its array: ``tag`` names the op, the
+    same on every host (purine.parallel.mpi gives one over MPI point-to-point messages)."""
 
-    def __init__(self, graph: Graph, ops: Sequence[Op], storage: dict | None = None):
+    def send(self, array: Any, host: int, tag: int) -> None: ...
+
+    def receive(self, array: Any, host: int, tag: int) -> None: ...
+
+
+# The worker thread of a host's transfers: one per host, so that they leave and arrive in
+# program order whatever else runs (a receive waits without holding up computation).
+TRANSFER_THREAD = 1 << 16
+
+
+def crosses_hosts(op: Op) -> bool:
+    """A Copy op whose ends are on two hosts: a message from one to the other."""
+    return op.type == "Copy" and op.inputs[0].location.host != op.outputs[0].location.host
+
+
+class _Plan:
+    """Dependency counts and dependents of one op sequence, derived once and reused.
+
+    On one host of several (``host``), the sequence is the host's share: the ops that run
+    there, and the Copy ops between it and another host, each of which the dispatcher runs
+    as a send or a receive at the host's transfer worker, chained in program order. Every
+    host issues its transfers in the order of one sequence, the same everywhere, so each
+    send meets its receive without a deadlock, as collectives issued in one order do."""
+
+    def __init__(self, graph: Graph, ops: Sequence[Op], storage: dict | None = None,
+                 host: int | None = None):
+        if host is not None:
+            ops = [o for o in ops if any(b.location.host == host
+                                         for b in o.inputs + o.outputs)
+                   or (not o.inputs and not o.outputs and o.location.host == host)]
         self.ops = tuple(ops)
         deps = graph.dependencies(self.ops, storage)
+        transfers = [o for o in self.ops if crosses_hosts(o)]
+        for a, b in zip(transfers, transfers[1:]):
+            if a not in deps[b]:
+                deps[b].append(a)
+        self.where = {o: Location("cpu", 0, TRANSFER_THREAD, host or 0) if crosses_hosts(o)
+                      else o.location for o in self.ops}
         self.count = {o: len(d) for o, d in deps.items()}
         self.dependents: dict[Op, list[Op]] = {o: [] for o in self.ops}
         for o, d in deps.items():
             for p in d:
                 self.dependents[p].append(o)
-        self.locations = {o.location for o in self.ops}
+        self.locations = set(self.where.values())
         # GPU work is asynchronous: an op on a GPU stream is "finished" for the dispatcher
         # once its kernels are issued. Where a dependent runs at another location, the
         # producer records an event after its kernels and the dependent's location waits for
@@ -57,11 +93,11 @@ class _Plan:
         self.waits: dict[Op, list[Op]] = {}
         self.records: set[Op] = set()
         for o, d in deps.items():
-            w = [p for p in d if p.location.device == "gpu" and p.location != o.location]
+            w = [p for p in d if self.where[p].device == "gpu" and self.where[p] != self.where[o]]
             if w:
                 self.waits[o] = w
                 self.records.update(w)
-        self.streams = {o.location for o in self.ops if o.location.device == "gpu"}
+        self.streams = {loc for loc in self.locations if loc.device == "gpu"}
 
 
 class _Worker(threading.Thread):
@@ -87,8 +123,13 @@ class Dispatcher:
     inputs written by no op in it are taken as ready."""
 
     def __init__(self, graph: Graph, *, profile: bool = False,
-                 memory_plan: MemoryPlan | None = None):
+                 memory_plan: MemoryPlan | None = None, host: int | None = None):
         self.graph = graph
+        # One host (MPI rank) of a graph placed on several: this dispatcher runs the host's
+        # share of every sequence, and ``transport`` moves what crosses to another host.
+        self.host = host
+        self.transport: Transport | None = None
+        self._tags: dict[Op, int] = {}
         self.arrays: dict[Blob, Any] = {}
         self.profile = profile
         self.trace: list[TraceEvent] = []
@@ -187,28 +228,46 @@ class Dispatcher:
 
     # -- running ----------------------------------------------------------------------
     def _execute(self, op: Op, plan: _Plan) -> None:
-        loc = op.location
+        loc = plan.where[op]
         activate(loc)  # a GPU op's kernels go to its location's stream
         for p in plan.waits.get(op, ()):
             wait(loc, self._events[p])
-        ins, outs = self._args(op)
+        if loc.thread == TRANSFER_THREAD:
+            run, ins, outs = self._transfer, [op], []
+        else:
+            run, (ins, outs) = op.kernel, self._args(op)
         if self.profile:
             t0 = time.perf_counter()
-            op.kernel(ins, outs)
+            run(ins, outs)
             if loc.device == "gpu":  # profiled GPU ops run one at a time: the time is the op's
                 stream(loc).synchronize()
             self.trace.append(
                 TraceEvent(op, t0, time.perf_counter(), threading.current_thread().name))
         else:
-            op.kernel(ins, outs)
+            run(ins, outs)
         if op in plan.records:
             self._events[op] = record(loc)
+
+    def _transfer(self, ops: list[Op], _: list) -> None:
+        """A Copy op between hosts, on this host's side: send its input, or receive its
+        output, named by the op's place in the graph."""
+        op = ops[0]
+        if self.transport is None:
+            raise PurineError(f"op '{op.name}' copies between hosts (MPI ranks) and this "
+                              "dispatcher has no transport")
+        if not self._tags:
+            self._tags = {o: i for i, o in enumerate(self.graph.ops)}
+        x, y = op.inputs[0], op.outputs[0]
+        if x.location.host == self.host:
+            self.transport.send(self.array(x), y.location.host, self._tags[op])
+        else:
+            self.transport.receive(self.array(y), x.location.host, self._tags[op])
 
     def _plan(self, ops: Sequence[Op] | None) -> _Plan:
         key = tuple(self.graph.ops if ops is None else ops)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _Plan(self.graph, key, self._storage)
+            plan = self._plans[key] = _Plan(self.graph, key, self._storage, self.host)
         return plan
 
     def run_sequential(self, ops: Sequence[Op] | None = None) -> None:
@@ -244,7 +303,11 @@ class Dispatcher:
             self.run_sequential(plan.ops)
             return
         for o in plan.ops:  # storage is allocated here, never by two workers at once
-            self._args(o)
+            if plan.where[o].thread == TRANSFER_THREAD:
+                self.array(o.inputs[0] if o.inputs[0].location.host == self.host
+                           else o.outputs[0])
+            else:
+                self._args(o)
         self._fence_in(plan)
         execute = functools.partial(self._execute, plan=plan)
         done: queue.SimpleQueue = queue.SimpleQueue()
@@ -255,7 +318,7 @@ class Dispatcher:
         def submit(o: Op) -> None:
             nonlocal in_flight
             in_flight += 1
-            self._worker(o.location).inbox.put((execute, o, done))
+            self._worker(plan.where[o]).inbox.put((execute, o, done))
 
         for o in plan.ops:
             if remaining[o] == 0:

@@ -1,0 +1,96 @@
+"""A placement over MPI ranks: every rank builds the whole graph and runs its share, and a
+Copy op between ranks is a message. Two-tower AlexNet with its second tower on rank 1, and
+the hybrid (convolutions one replica per rank, fc6 a tower per rank) across 2 ranks, train
+to the weights of the unsplit net trained in one process."""
+
+import re
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from purine.caffe.net import TRAIN, Net
+from purine.caffe.solver import Solver
+from tests.parallel.test_mpi import launcher, mpirun  # noqa: F401 -- a fixture
+from tests.parallel.test_placement_training import PLACEMENT, alexnet_solver, image_db  # noqa: F401
+
+
+def unsplit_run(param, tmp_path, init: str):
+    """The unsplit net trained in this process from ``init``; its final weights."""
+    s = Solver(param)
+    s.net.copy_from(init)
+    s.step(param.max_iter)
+    return s.net
+
+
+def start_weights(param, path) -> str:
+    net = Net(param.net_param, phase=TRAIN, seed=11)
+    net.save(path)
+    return str(path)
+
+
+def assert_close(model: str, want: Net) -> None:
+    got = Net(want.model, phase=TRAIN)
+    got.copy_from(model)
+    for layer, views in want.params.items():
+        for k, v in enumerate(views):
+            np.testing.assert_allclose(got.params[layer][k].data, v.data, rtol=1e-4,
+                                       atol=1e-5 * np.abs(v.data).max(),
+                                       err_msg=f"{layer}[{k}]")
+
+
+def write(tmp_path, param, placement_text: str) -> tuple[str, str]:
+    solver = tmp_path / "solver.prototxt"
+    solver.write_text(text_format.MessageToString(param))
+    placement = tmp_path / "ranks.placement"
+    placement.write_text(placement_text)
+    return str(solver), str(placement)
+
+
+def test_two_towers_on_two_ranks_train_as_the_unsplit_net(launcher, image_db, tmp_path):  # noqa: F811
+    param = alexnet_solver(image_db, max_iter=4, snapshot_after_train=True, display=1,
+                           snapshot_prefix=str(tmp_path / "ranks"))
+    # The shipped two-tower file with its second tower on rank 1 instead of cpu:1.
+    text = PLACEMENT.read_text().replace('"cpu:1"', '"rank1/cpu:0"')
+    solver, placement = write(tmp_path, param, text)
+    init = start_weights(param, tmp_path / "init.caffemodel")
+    mpirun(launcher, tmp_path, 2, "--solver", solver, "--placement", placement,
+           "--weights", init)
+    assert_close(str(tmp_path / "ranks_iter_4.caffemodel"), unsplit_run(param, tmp_path, init))
+    log = (tmp_path / "rank0" / "stderr.txt").read_text()
+    assert "Iteration 4, loss = " in log and "Optimization Done." in log
+
+
+def test_the_hybrid_across_two_ranks_equals_the_whole_batch(launcher, image_db, tmp_path):  # noqa: F811
+    param = alexnet_solver(image_db, max_iter=4, snapshot_after_train=True,
+                           snapshot_prefix=str(tmp_path / "hybrid"))
+    for lp in param.net_param.layer:
+        if lp.type == "Data":
+            lp.data_param.batch_size = 2  # per rank
+    solver, placement = write(tmp_path, param, 'layer { name: "fc6" location: "replicas" }\n'
+                                               'layer { name: "relu6" location: "replicas" }\n')
+    init = start_weights(param, tmp_path / "init.caffemodel")
+    mpirun(launcher, tmp_path, 2, "--solver", solver, "--placement", placement,
+           "--weights", init)
+    whole = param.__class__()
+    whole.CopyFrom(param)
+    for lp in whole.net_param.layer:
+        if lp.type == "Data":
+            lp.data_param.batch_size = 4
+    assert_close(str(tmp_path / "hybrid_iter_4.caffemodel"), unsplit_run(whole, tmp_path, init))
+
+
+@pytest.mark.parametrize("text, message", [
+    ('layer { name: "fc8" location: "rank1/cpu:0" }\n'
+     'layer { name: "loss" location: "rank1/cpu:0" }\n',
+     "must leave the loss and the outputs on rank 0, where the solver logs them; loss "
+     "would be elsewhere"),
+])
+def test_a_loss_away_from_rank_0_is_refused(launcher, image_db, tmp_path, text, message):  # noqa: F811
+    solver, placement = write(tmp_path, alexnet_solver(image_db, max_iter=1), text)
+    with pytest.raises(AssertionError):  # the job fails: every rank stops
+        mpirun(launcher, tmp_path, 2, "--solver", solver, "--placement", placement)
+    # Every rank finds it before iteration 0; the first to say so ends the job.
+    logs = "".join((tmp_path / f"rank{k}" / "stderr.txt").read_text() for k in range(2))
+    assert re.search(r"purine-caffe train \(rank \d\): net 'AlexNet': a placement over MPI "
+                     r"ranks " + re.escape(message), logs), logs
