@@ -72,12 +72,13 @@ class _Plan:
                    or (not o.inputs and not o.outputs and o.location.host == host)]
         self.ops = tuple(ops)
         deps = graph.dependencies(self.ops, storage)
-        transfers = [o for o in self.ops if crosses_hosts(o)]
+        # One process holding every host's share (host None) runs such a Copy as a copy.
+        transfers = [o for o in self.ops if host is not None and crosses_hosts(o)]
         for a, b in zip(transfers, transfers[1:]):
             if a not in deps[b]:
                 deps[b].append(a)
-        self.where = {o: Location("cpu", 0, TRANSFER_THREAD, host or 0) if crosses_hosts(o)
-                      else o.location for o in self.ops}
+        self.where = {o: o.location for o in self.ops}
+        self.where.update({o: Location("cpu", 0, TRANSFER_THREAD, host) for o in transfers})
         self.count = {o: len(d) for o, d in deps.items()}
         self.dependents: dict[Op, list[Op]] = {o: [] for o in self.ops}
         for o, d in deps.items():

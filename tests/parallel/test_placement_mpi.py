@@ -94,3 +94,24 @@ def test_a_loss_away_from_rank_0_is_refused(launcher, image_db, tmp_path, text, 
     logs = "".join((tmp_path / f"rank{k}" / "stderr.txt").read_text() for k in range(2))
     assert re.search(r"purine-caffe train \(rank \d\): net 'AlexNet': a placement over MPI "
                      r"ranks " + re.escape(message), logs), logs
+
+
+def test_a_net_placed_over_ranks_runs_whole_in_one_process(tmp_path):
+    """Without MPI, one process holds every rank's share: a Copy op between ranks is a
+    copy, and the numbers are the unsplit net's (a dry run of a placement over ranks)."""
+    from purine.parallel.placement import place
+    from tests.parallel.test_two_tower import alexnet, assert_same_numbers
+
+    param = alexnet()
+    ranks = tmp_path / "ranks.placement"
+    ranks.write_text(PLACEMENT.read_text().replace('"cpu:1"', '"rank1/cpu:0"'))
+    split = place(param, ranks)
+    plain = Net(param, phase=TRAIN, dtype="float64")
+    placed = Net(split.net, phase=TRAIN, dtype="float64", placement=split.placement)
+    assert {op.location.host for op in placed.graph.ops} == {0, 1}
+    split.load(placed, {name: [v.data for v in views] for name, views in plain.params.items()})
+    x = np.random.default_rng(0).standard_normal((2, 3, 227, 227))
+    for net in (plain, placed):
+        net.forward(data=x, label=np.array([3.0, 997.0]))
+        net.backward()
+    assert_same_numbers(plain, placed, split, ["data"])
