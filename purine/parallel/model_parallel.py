@@ -130,6 +130,9 @@ class ModelParallel(Scheme):
     def gather_state(self, private: dict) -> dict | None:
         return private if self.root else None
 
+    def gather_trace(self, events: list[dict]) -> list[dict] | None:
+        return self.ranks.gather_trace(events) if self.comm is not None else events
+
     def gather_weights(self, solver: Any) -> None:
         """Every parameter and history blob held by another rank comes to rank 0, in one
         order on every rank (blocking messages, tags above the graph's ops)."""

@@ -3,6 +3,7 @@ Copy op between ranks is a message. Two-tower AlexNet with its second tower on r
 the hybrid (convolutions one replica per rank, fc6 a tower per rank) across 2 ranks, train
 to the weights of the unsplit net trained in one process."""
 
+import json
 import re
 
 import numpy as np
@@ -55,8 +56,14 @@ def test_two_towers_on_two_ranks_train_as_the_unsplit_net(launcher, image_db, tm
     solver, placement = write(tmp_path, param, text)
     init = start_weights(param, tmp_path / "init.caffemodel")
     mpirun(launcher, tmp_path, 2, "--solver", solver, "--placement", placement,
-           "--weights", init)
+           "--weights", init, "--trace", str(tmp_path / "trace.json"))
     assert_close(str(tmp_path / "ranks_iter_4.caffemodel"), unsplit_run(param, tmp_path, init))
+    # Rank 0's trace holds both ranks: rank 1 ran its tower's ops and its transfers.
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    ops = {(e["pid"], e["name"]) for e in trace if e["ph"] == "X"}
+    assert (1, "conv2/tower1/ConvForward") in ops and (0, "conv1/ConvForward") in ops
+    assert (0, "conv2/tower1/ConvForward") not in ops
+    assert {(0, "conv2/tower1/CopyIn#0"), (1, "conv2/tower1/CopyIn#0")} <= ops
     log = (tmp_path / "rank0" / "stderr.txt").read_text()
     assert "Iteration 4, loss = " in log and "Optimization Done." in log
 
