@@ -61,19 +61,27 @@ PER_RANK = ('cd "$0/rank${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-$PMIX_RANK}}" && '
             'exec "$@" 2> stderr.txt')
 
 
-def mpirun(launcher: str, tmp, ranks: int, *args: str) -> None:
+def launch(launcher: str, tmp, ranks: int, *args: str, per_rank: str = PER_RANK,
+           env: dict | None = None, timeout: int = 120
+           ) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``purine-caffe train ARGS`` on ``ranks`` ranks, each in tmp/rank<k> (``per_rank``:
+    the shell line that starts each): the launcher's result and each rank's stderr."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                # Open MPI refuses root and more ranks than cores unless told; MPICH ignores.
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1",
-               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
+               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe", **(env or {}))
     for k in range(ranks):
         (tmp / f"rank{k}").mkdir(exist_ok=True)
-    cmd = [launcher, "-n", str(ranks), "sh", "-c", PER_RANK, str(tmp),
+    cmd = [launcher, "-n", str(ranks), "sh", "-c", per_rank, str(tmp),
            sys.executable, "-m", "purine.cli", "train", *args]
     run = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                         timeout=120, env=env)
-    logs = [(tmp / f"rank{k}" / "stderr.txt").read_text() for k in range(ranks)]
+                         timeout=timeout, env=env)
+    return run, [(tmp / f"rank{k}" / "stderr.txt").read_text() for k in range(ranks)]
+
+
+def mpirun(launcher: str, tmp, ranks: int, *args: str) -> None:
+    run, logs = launch(launcher, tmp, ranks, *args)
     assert run.returncode == 0, (run.stdout, run.stderr, logs)
 
 

@@ -6,9 +6,6 @@ tests/gpu/test_mpi_nccl.py)."""
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -29,7 +26,6 @@ from purine.graph import Location
 from purine.parallel import build_solver, mpi
 from purine.parallel.nccl import NcclGroup
 from tests.parallel import test_mpi
-from tests.parallel.test_mpi import ROOT
 from tests.test_cli import NET
 
 launcher = test_mpi.launcher  # the fixture, shared
@@ -48,19 +44,11 @@ PER_RANK = ('r="${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-$PMIX_RANK}}"; g="$GPUS_PER_
 
 
 def launch(launcher: str, tmp, ranks: int, gpus_per_rank: int, *args: str):
-    """``purine-caffe train ARGS`` on ``ranks`` ranks: (return code, each rank's stderr)."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               GPUS_PER_RANK=str(gpus_per_rank),
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1",
-               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
-    for k in range(ranks):
-        (tmp / f"rank{k}").mkdir(exist_ok=True)
-    cmd = [launcher, "-n", str(ranks), "sh", "-c", PER_RANK, str(tmp),
-           sys.executable, "-m", "purine.cli", "train", *args]
-    run = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                         timeout=300, env=env)
-    return run.returncode, [(tmp / f"rank{k}" / "stderr.txt").read_text() for k in range(ranks)]
+    """``purine-caffe train ARGS`` on ``ranks`` ranks, each shown its ``gpus_per_rank``
+    GPUs: (return code, each rank's stderr)."""
+    run, logs = test_mpi.launch(launcher, tmp, ranks, *args, per_rank=PER_RANK,
+                                env={"GPUS_PER_RANK": str(gpus_per_rank)}, timeout=300)
+    return run.returncode, logs
 
 
 def run_at_once(ranks: list[int], fns: list[Callable[[], object]]) -> list:
