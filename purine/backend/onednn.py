@@ -1,7 +1,8 @@
-"""oneDNN's CPU convolutions and MAX pooling through its C API (ctypes), used by the float32
-host bodies of ``purine.ops.conv`` and ``purine.ops.pooling`` when the optional
-``onednn-cpu-gomp`` wheel is installed (``pip install "purine-caffe[onednn]"``); without it,
-or with ``PURINE_ONEDNN=0``, they run on numpy.
+"""oneDNN's CPU convolutions, MAX pooling and matrix products through its C API (ctypes),
+used by the float32 host bodies of ``purine.ops.conv``, ``purine.ops.pooling`` and
+``purine.ops.inner_product`` when the optional ``onednn-cpu-gomp`` wheel is installed
+(``pip install "purine-caffe[onednn]"``); without it, or with ``PURINE_ONEDNN=0``, they run
+on numpy.
 
 Each convolution geometry gets its primitives once (descriptor creation costs milliseconds)
 on oneDNN's own blocked layouts; a call reorders its NCHW/OIHW operands into them and the
@@ -10,6 +11,8 @@ call's copies side by side in it, so the extra memory is the largest one call ne
 blocked operands of one convolution), not a sum over layers or over operand positions.
 Pooling runs on plain NCHW, where its workspace holds each maximum's kernel offset, from
 which the forward writes Caffe's argmax mask (the backward stays numpy's, from the mask).
+A matrix product runs oneDNN's matmul on the arrays themselves: a transposed operand is the
+same memory read with other strides, the bias a (1, N) row broadcast over the batch.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import importlib.metadata
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +43,15 @@ _Q_SRC, _Q_DIFF_SRC, _Q_WEIGHTS, _Q_DIFF_WEIGHTS, _Q_DST, _Q_DIFF_DST, _Q_WORKSP
     129, 136)
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS, _ARG_WORKSPACE = 1, 17, 33, 41, 64
 _ARG_DIFF_SRC, _ARG_DIFF_DST, _ARG_DIFF_WEIGHTS = 129, 145, 161
+_Q_IMPL_INFO_STR = 8  # the implementation's name, "brg:avx512_core", "gemm:jit", "ref:any"
 _RUNTIMES = {1: "sequential", 2: "OpenMP", 4: "TBB", 8: "threadpool", 256: "OpenCL",
              512: "SYCL"}
 _ALIGN = 64  # bytes; what oneDNN's own allocations use
 _MASK_TYPES = (np.float32, np.float64, np.int32, np.int64)  # what a MAX pooling mask may be
+# Products of fewer multiply-adds stay on numpy: below about this many, waking oneDNN's OpenMP
+# team costs more than a second core saves (LeNet's ip2, 64x500x10: 0.007 ms on one OpenBLAS
+# thread, 0.03 ms through oneDNN; its ip1, 64x800x500: 0.65 against 0.32 ms).
+MATMUL_MIN_MACS = 1 << 22
 
 _P = ctypes.c_void_p
 _PP = ctypes.POINTER(ctypes.c_void_p)
@@ -53,6 +62,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "dnnl_stream_create": [_PP, _P, ctypes.c_uint],
     "dnnl_stream_wait": [_P],
     "dnnl_memory_desc_create_with_tag": [_PP, ctypes.c_int, _DIMS, ctypes.c_int, ctypes.c_int],
+    "dnnl_memory_desc_create_with_strides": [_PP, ctypes.c_int, _DIMS, ctypes.c_int, _DIMS],
     "dnnl_memory_desc_equal": [_P, _P],
     "dnnl_memory_desc_get_size": [_P],
     "dnnl_memory_create": [_PP, _P, _P, _P],
@@ -69,6 +79,8 @@ _SIGNATURES: dict[str, list[Any]] = {
         _PP, _P, ctypes.c_int, _P, _P, _P, _P, _DIMS, _DIMS, _DIMS, _DIMS, _P, _P],
     "dnnl_pooling_forward_primitive_desc_create": [
         _PP, _P, ctypes.c_int, ctypes.c_int, _P, _P, _DIMS, _DIMS, _DIMS, _DIMS, _DIMS, _P],
+    "dnnl_matmul_primitive_desc_create": [_PP, _P, _P, _P, _P, _P, _P],
+    "dnnl_primitive_desc_query": [_P, ctypes.c_int, ctypes.c_int, _P],
 }
 _RESTYPES = {"dnnl_engine_get_count": ctypes.c_size_t, "dnnl_memory_desc_get_size":
              ctypes.c_size_t, "dnnl_primitive_desc_query_md": ctypes.c_void_p}
@@ -183,9 +195,10 @@ class _Primitive:
 
 
 class Dnnl:
-    """One loaded libdnnl, its CPU engine and stream, and the convolution primitives made so
-    far, keyed by (op, geometry). Calls are serialized: the stream and the scratch buffers
-    are shared, and each primitive uses every core anyway."""
+    """One loaded libdnnl, its CPU engine and stream, and the convolution and matmul
+    primitives made so far, keyed by (op, geometry) and by the product's shape. Calls are
+    serialized: the stream and the scratch buffers are shared, and each primitive uses every
+    core anyway."""
 
     def __init__(self, path: str):
         lib = self.lib = _load(path)
@@ -328,14 +341,18 @@ class Dnnl:
                                      (_ARG_DIFF_WEIGHTS, _Q_DIFF_WEIGHTS, w, False)])
 
     def _get(self, op: str, g: Any) -> _Primitive | None:
-        key = (op, g)
+        return self._cached((op, g), lambda: self._make(op, g))
+
+    def _cached(self, key: tuple[Any, ...], make: Callable[[], _Primitive]
+                ) -> _Primitive | None:
+        """The primitive of ``key``, made by ``make()`` on first use; None (numpy runs it)
+        when oneDNN has no implementation for it."""
         if key not in self._prims:
             with self.lock:
                 if key not in self._prims:
                     try:
-                        self._prims[key] = self._make(op, g)
+                        self._prims[key] = make()
                     except PurineError:
-                        # oneDNN has no implementation for this geometry: numpy keeps it.
                         self._prims[key] = None
         return self._prims[key]
 
@@ -387,6 +404,58 @@ class Dnnl:
                 dw += part
         return True
 
+    # -- matrix products (InnerProduct) ---------------------------------------------------
+    def _matrix_md(self, rows: int, cols: int, stored_transposed: bool) -> ctypes.c_void_p:
+        """A plain (rows, cols) matrix; ``stored_transposed``: its memory is the row-major
+        (cols, rows) array, so only the strides differ."""
+        md = ctypes.c_void_p()
+        strides = (1, rows) if stored_transposed else (cols, 1)
+        self.call("dnnl_memory_desc_create_with_strides", ctypes.byref(md), 2,
+                  _dims(rows, cols), _F32, _dims(*strides))
+        return md
+
+    def _make_matmul(self, m: int, k: int, n: int, trans_a: bool, trans_b: bool,
+                     bias: bool) -> _Primitive:
+        a, b = self._matrix_md(m, k, trans_a), self._matrix_md(k, n, trans_b)
+        c = self._matrix_md(m, n, False)
+        bias_md = self._matrix_md(1, n, False) if bias else None
+        pd = ctypes.c_void_p()
+        self.call("dnnl_matmul_primitive_desc_create", ctypes.byref(pd), self.engine, a, b,
+                  bias_md, c, None)
+        # oneDNN's reference loops are far slower than numpy's BLAS (a transposed destination
+        # took 4 s for AlexNet's fc6 weight gradient); numpy keeps such a product.
+        impl = ctypes.c_char_p()
+        self.call("dnnl_primitive_desc_query", pd, _Q_IMPL_INFO_STR, 0, ctypes.byref(impl))
+        if (impl.value or b"").startswith(b"ref"):
+            raise PurineError(f"oneDNN: only a reference matmul for {m}x{k}x{n}")
+        operands = [(_ARG_SRC, None, a, True), (_ARG_WEIGHTS, None, b, True),
+                    (_ARG_DST, None, c, False)]
+        if bias_md is not None:
+            operands.insert(2, (_ARG_BIAS, None, bias_md, True))
+        return _Primitive(self, pd, operands)
+
+    def matmul(self, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, c: np.ndarray,
+               m: int, k: int, n: int, trans_a: bool = False, trans_b: bool = False) -> bool:
+        """c (m, n) = A B (+ bias on every row), where A (m, k) is ``a``'s memory read
+        row-major, or as the row-major (k, m) array when ``trans_a``, and B (k, n) likewise
+        ``b``'s (as (n, k) when ``trans_b``); the arrays may have any shape of that size.
+        False (nothing written) when numpy must do it: another dtype, an empty or small
+        product (``MATMUL_MIN_MACS``), an array that is not contiguous, or no oneDNN
+        implementation."""
+        arrays = (a, b, c) if bias is None else (a, b, bias, c)
+        if (min(m, k, n) <= 0 or m * k * n < MATMUL_MIN_MACS
+                or a.size != m * k or b.size != k * n or c.size != m * n
+                or (bias is not None and bias.size != n)
+                or not all(type(x) is np.ndarray and x.dtype == np.float32
+                           and x.flags.c_contiguous for x in arrays)):
+            return False
+        key = ("matmul", m, k, n, trans_a, trans_b, bias is not None)
+        prim = self._cached(key, lambda: self._make_matmul(m, k, n, trans_a, trans_b,
+                                                           bias is not None))
+        if prim is None:
+            return False
+        prim.run(*arrays)
+        return True
 
     # -- MAX pooling -----------------------------------------------------------------------
     def _max_pool(self, g: Any) -> _MaxPool | None:
@@ -503,9 +572,11 @@ def _start() -> Dnnl | None:
                              path, str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
     # OpenBLAS's idle threads spin too, against oneDNN's OpenMP team: with one BLAS thread
-    # (the GEMMs left to numpy are the small ones of InnerProduct) bench/cpu_nets.py on 2
-    # cores went from 1.23x to 0.72x PyTorch's time on CIFAR-10 quick, 1.26x to 0.85x on
-    # LeNet and 1.07x to 0.85x on AlexNet.
+    # bench/cpu_nets.py on 2 cores went from 1.23x to 0.72x PyTorch's time on CIFAR-10
+    # quick, 1.26x to 0.85x on LeNet and 1.07x to 0.85x on AlexNet. InnerProduct's larger
+    # products go to oneDNN for that reason; raising the BLAS threads around them instead
+    # made the next convolutions slower than the products got faster (AlexNet 470-480 ms
+    # against 380-390 ms through oneDNN, CIFAR-10 quick 1.75x its time).
     _STATE["blas_threads"] = set_blas_threads(1)
     return dnnl
 

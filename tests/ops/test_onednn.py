@@ -1,8 +1,9 @@
-"""The optional oneDNN convolutions and MAX pooling (``purine.backend.onednn``): on float32
-they match the numpy kernels (forward, backward data, backward weight, a Deconvolution layer,
-MAX pooling's maxima and mask bit for bit, and a whole CIFAR-10 quick training step), float64
-stays on numpy, and without a usable library purine falls back to numpy, with one warning
-when an installed one fails to load.
+"""The optional oneDNN convolutions, MAX pooling and InnerProduct products
+(``purine.backend.onednn``): on float32 they match the numpy kernels (forward, backward data,
+backward weight, a Deconvolution layer, MAX pooling's maxima and mask bit for bit, the
+InnerProduct ops with and without transpose and bias, and whole LeNet and CIFAR-10 quick
+training steps), float64 and small products stay on numpy, and without a usable library purine
+falls back to numpy, with one warning when an installed one fails to load.
 
 The suite runs with ``PURINE_ONEDNN=0`` (tests/conftest.py); these tests turn oneDNN on."""
 
@@ -21,6 +22,7 @@ from purine.caffe import TRAIN, Net
 from purine.formats import caffe_pb2 as pb
 from purine.formats.prototxt import filter_net, read_net, replace_data_layers
 from purine.ops import conv, pooling
+from purine.ops import inner_product as ip
 from purine.ops.conv import ConvGeometry
 from purine.ops.pooling import PoolGeometry
 from tests.gradcheck import layer_net
@@ -39,6 +41,12 @@ def dnnl(monkeypatch: pytest.MonkeyPatch) -> onednn.Dnnl:
     d = onednn.get()
     assert d is not None, "oneDNN is installed but did not load: see the warning above"
     return d
+
+
+@pytest.fixture
+def every_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Products of any size through oneDNN (small ones stay on numpy by default)."""
+    monkeypatch.setattr(onednn, "MATMUL_MIN_MACS", 0)
 
 
 @pytest.fixture
@@ -151,7 +159,7 @@ def test_blocked_copies_share_one_scratch_buffer(dnnl):
     assert dnnl._scratch.size == largest + onednn._ALIGN
 
 
-def deconv_step(net: Net, x: np.ndarray, dy: np.ndarray) -> dict[str, np.ndarray]:
+def layer_step(net: Net, x: np.ndarray, dy: np.ndarray) -> dict[str, np.ndarray]:
     net.forward(x=x)
     net.backward(y=dy)
     w, b = net.params["l"]
@@ -169,9 +177,9 @@ def test_deconvolution_layer_matches_numpy(dnnl, monkeypatch):
     x = rng.standard_normal((3, 4, 5, 6)).astype(np.float32)
     dy = rng.standard_normal(net.blobs["y"].data.shape).astype(np.float32)
     before = dnnl.calls
-    got = deconv_step(net, x, dy)
+    got = layer_step(net, x, dy)
     assert dnnl.calls - before == 3  # forward (backward data), backward data, weights
-    want = on_numpy(monkeypatch, deconv_step, net, x, dy)
+    want = on_numpy(monkeypatch, layer_step, net, x, dy)
     for k in want:
         assert_close(got[k], want[k], 1e-5)
 
@@ -186,24 +194,139 @@ def train_step(net: Net, data: np.ndarray, label: np.ndarray) -> dict[str, np.nd
     return out
 
 
-def test_cifar10_quick_training_step_matches_numpy(dnnl, monkeypatch):
-    path = os.path.join(ROOT, "models/cifar10_quick/cifar10_quick_train_test.prototxt")
-    param = filter_net(read_net(path), pb.NetState(phase=pb.TRAIN))
-    shape = (16, 3, 32, 32)
+# (prototxt, data shape, oneDNN calls of a step, seed of the inputs). A ReLU input within
+# rounding of zero takes either side with the summation order and moves a whole gradient row
+# (LeNet's seed 2 puts one of ip1's at 1.2e-7, which 1 against 2 OpenBLAS threads flips on
+# numpy alone): these seeds keep every ip1 input above 1e-4 of the largest.
+STEPS = {
+    # convolutions: three forwards, three weight gradients, two backward datas (conv1's
+    # bottom is data); pool1's MAX forward (pool2 and pool3 are AVE); ip1 and ip2: forward,
+    # weight gradient and backward data each
+    "cifar10_quick": ("models/cifar10_quick/cifar10_quick_train_test.prototxt",
+                      (16, 3, 32, 32), 9 + 6, 2),
+    # two convolutions (2 + 2 + 1), two MAX pools, two inner products (3 + 3)
+    "lenet": ("models/lenet/lenet_train_test.prototxt", (8, 1, 28, 28), 5 + 2 + 6, 4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STEPS))
+def test_training_step_matches_numpy(dnnl, every_matmul, monkeypatch, name):
+    path, shape, calls, seed = STEPS[name]
+    param = filter_net(read_net(os.path.join(ROOT, path)), pb.NetState(phase=pb.TRAIN))
     net = Net(replace_data_layers(param, {"data": shape, "label": shape[:1]}), phase=TRAIN,
               seed=1)
-    rng = np.random.default_rng(2)
+    rng = np.random.default_rng(seed)
     data = rng.standard_normal(shape).astype(np.float32)
     label = rng.integers(0, 10, shape[0]).astype(np.float32)
     before = dnnl.calls
     got = train_step(net, data, label)
-    # three forwards, three weight gradients, two backward datas (conv1's bottom is data),
-    # pool1's MAX forward (pool2 and pool3 are AVE)
-    assert dnnl.calls - before == 9
+    assert dnnl.calls - before == calls
     want = on_numpy(monkeypatch, train_step, net, data, label)
     assert set(got) == set(want)
     for k in want:
         assert_close(got[k], want[k], 1e-4)
+
+
+def ip_arrays(m: int, k: int, n: int, transpose: bool, x_shape: tuple[int, ...],
+              dtype: Any = np.float32) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(5)
+    return {"x": rng.standard_normal(x_shape).astype(dtype),
+            "w": rng.standard_normal((k, n) if transpose else (n, k)).astype(dtype),
+            "b": rng.standard_normal(n).astype(dtype),
+            "dy": rng.standard_normal((m, n)).astype(dtype)}
+
+
+def run_ip(a: dict[str, np.ndarray], m: int, transpose: bool, bias: bool
+           ) -> dict[str, np.ndarray]:
+    """y, dx, dw and db of the InnerProduct ops, each output first filled with 7s (the ops
+    write their outputs, never add to them)."""
+    out = {"y": np.full(a["dy"].shape, 7, a["dy"].dtype), "dx": np.full_like(a["x"], 7),
+           "dw": np.full_like(a["w"], 7), "db": np.full_like(a["b"], 7)}
+    ip.inner_product_forward(a["x"], a["w"], *([a["b"]] if bias else []), out["y"], m=m,
+                             transpose=transpose)
+    ip.inner_product_backward_data(a["dy"], a["w"], out["dx"], m=m, transpose=transpose)
+    ip.inner_product_backward_weight(a["x"], a["dy"], out["dw"], m=m, transpose=transpose)
+    ip.inner_product_backward_bias(a["dy"], out["db"], m=m)
+    return out
+
+
+IP_SHAPES = {
+    # (m, k, n, x's shape): LeNet's ip1 (x is pool2's (64, 50, 4, 4)), an odd small one,
+    # one wider than tall
+    "lenet ip1": (64, 800, 500, (64, 50, 4, 4)),
+    "3x5 to 7": (3, 5, 7, (3, 5)),
+    "m 2, k 300, n 1000": (2, 300, 1000, (2, 3, 100)),
+}
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no bias"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["W (N, K)", "transpose"])
+@pytest.mark.parametrize("name", sorted(IP_SHAPES))
+def test_inner_product_matches_numpy(dnnl, every_matmul, monkeypatch, name, transpose, bias):
+    m, k, n, x_shape = IP_SHAPES[name]
+    a = ip_arrays(m, k, n, transpose, x_shape)
+    before = dnnl.calls
+    got = run_ip(a, m, transpose, bias)
+    assert dnnl.calls - before == 3  # forward, backward data, weight gradient
+    want = on_numpy(monkeypatch, run_ip, a, m, transpose, bias)
+    for key in want:
+        assert got[key].shape == want[key].shape
+        assert_close(got[key], want[key], 1e-5)
+    # and against float64 products, so that both paths are checked, not only their agreement
+    x2 = a["x"].reshape(m, k).astype(np.float64)
+    w_nk = (a["w"].T if transpose else a["w"]).astype(np.float64)
+    assert_close(got["y"], x2 @ w_nk.T + (a["b"] if bias else 0), 1e-5)
+    assert_close(got["dx"].reshape(m, k), a["dy"] @ w_nk, 1e-5)
+    dw_nk = a["dy"].T.astype(np.float64) @ x2
+    assert_close(got["dw"], dw_nk.T if transpose else dw_nk, 1e-5)
+
+
+def test_inner_product_float64_and_empty_batch_stay_on_numpy(dnnl, every_matmul):
+    a = ip_arrays(3, 5, 7, True, (3, 5), np.float64)
+    before = dnnl.calls
+    got = run_ip(a, 3, True, True)
+    assert dnnl.calls == before
+    np.testing.assert_array_equal(got["y"], a["x"] @ a["w"] + a["b"])
+    assert got["y"].dtype == np.float64
+    # An empty batch: no product to run, and dW is all zeros, as on numpy.
+    a = ip_arrays(0, 5, 7, False, (0, 5))
+    got = run_ip(a, 0, False, True)
+    assert dnnl.calls == before
+    assert got["y"].shape == (0, 7)
+    np.testing.assert_array_equal(got["dw"], np.zeros((7, 5), np.float32))
+
+
+def test_small_products_stay_on_numpy(dnnl, monkeypatch):
+    """LeNet's ip2 (64x500x10 multiply-adds) is faster on one OpenBLAS thread than through
+    oneDNN; its ip1 (64x800x500) goes to oneDNN."""
+    a = ip_arrays(64, 500, 10, False, (64, 500))
+    before = dnnl.calls
+    got = run_ip(a, 64, False, True)
+    assert dnnl.calls == before
+    want = on_numpy(monkeypatch, run_ip, a, 64, False, True)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+    assert 64 * 800 * 500 >= onednn.MATMUL_MIN_MACS > 64 * 500 * 10
+    run_ip(ip_arrays(64, 800, 500, False, (64, 800)), 64, False, True)
+    assert dnnl.calls - before == 3
+
+
+def test_transposed_inner_product_layer_matches_numpy(dnnl, every_matmul, monkeypatch):
+    layer = ('name: "l" type: "InnerProduct" bottom: "x" top: "y" inner_product_param { '
+             'num_output: 6 axis: 2 transpose: true '
+             'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" '
+             'std: 0.5 } }')
+    net = Net(layer_net(layer, {"x": (3, 4, 5, 2)}), phase=TRAIN)
+    assert net.params["l"][0].data.shape == (10, 6)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 4, 5, 2)).astype(np.float32)
+    dy = rng.standard_normal((3, 4, 6)).astype(np.float32)
+    before = dnnl.calls
+    got = layer_step(net, x, dy)
+    assert dnnl.calls - before == 3
+    want = on_numpy(monkeypatch, layer_step, net, x, dy)
+    for key in want:
+        assert_close(got[key], want[key], 1e-5)
 
 
 def pool_geometry(num: int, channels: int, height: int, width: int, kernel: tuple[int, int],
@@ -351,11 +474,16 @@ def test_a_broken_library_warns_once_and_falls_back(monkeypatch, fresh, warnings
     assert len(warnings_logged) == 1
     assert warnings_logged[0].startswith(
         f"oneDNN at {broken} is not used, convolutions run on numpy: ")
-    # ... and the convolutions still run, on numpy.
+    # ... and the convolutions and inner products still run, on numpy.
     g = GEOMETRIES["1x1"]
     a = conv_arrays(g)
     got = run_ops(g, a, True)
     want = on_numpy(monkeypatch, run_ops, g, a, True)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+    a = ip_arrays(64, 800, 500, True, (64, 800))
+    got = run_ip(a, 64, True, True)
+    want = on_numpy(monkeypatch, run_ip, a, 64, True, True)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
 
