@@ -493,8 +493,11 @@ class Net:
         self.params: OrderedDict[str, list[BlobView]] = OrderedDict()
         for L in b.layers:
             if L.params:
-                self.params[L.name] = [
-                    BlobView(self, p.name, p, b.param_grad(p)) for p in L.params]
+                # A parameter shared from another memory space shows its home blob, which
+                # the solver updates and snapshots write (the layer reads a mirror of it).
+                homes = [L.param_homes.get(k, p) for k, p in enumerate(L.params)]
+                self.params[L.name] = [BlobView(self, h.name, h, b.param_grad(h))
+                                       for h in homes]
         self.inputs = [t for L in b.layers if L.type == "Input" for t in L.param.top]
         available: set[str] = set()  # Caffe's rule: what no later layer consumed,
         for L in b.layers:             # in name order (Caffe keeps them in a std::set)

@@ -894,7 +894,8 @@ class Solver:
         for g in range(need // m if m else 0):  # each history group: one per parameter
             group = layout.from_file(arrays[g * m:(g + 1) * m])
             for h, a in zip(hist[g * n:(g + 1) * n], group, strict=True):
-                assign(d.array(h), a)
+                if self.net.host is None or h.location.host == self.net.host:
+                    assign(d.array(h), a)  # (another rank's history is that rank's to keep)
         self.iter = it
 
     def _current_step(self) -> int:

@@ -21,7 +21,7 @@ from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import load_weights
 from purine.formats.hdf5_snapshot import is_hdf5, read_weights
 from purine.graph import CPU, Blob, Location
-from purine.parallel.placement import SplitNet, read_placement, split_towers
+from purine.parallel.placement import REPLICAS, SplitNet, read_placement, split_towers
 
 Placement = Mapping[str, Location | Sequence[Location]]
 
@@ -73,6 +73,7 @@ class ModelParallel(Scheme):
         self.where: Placement | None = None if isinstance(placement, str | os.PathLike) \
             else placement
         self._splits: list[tuple[Net, SplitNet]] = []
+        self._hosts: dict[str, int] = {}  # train net layer -> its rank (over ranks)
 
     def _placement(self, param: pb.NetParameter) -> Placement:
         if self.where is None:  # the file names the train net's layers (checked there)
@@ -88,9 +89,15 @@ class ModelParallel(Scheme):
         elif self.locations is not None:
             replicas = [at, *self.locations]
         train = kwargs["phase"] == pb.TRAIN
-        split = split_towers(param, self._placement(param), phase=kwargs["phase"],
+        where = self._placement(param)
+        # Over ranks, the ranks are replicas only where the placement says "replicas": a
+        # placement that names none is model parallelism with the batch as written.
+        replicate = train and (self.comm is None or any(
+            loc == REPLICAS for locs in where.values()
+            for loc in (locs if isinstance(locs, tuple | list) else (locs,))))
+        split = split_towers(param, where, phase=kwargs["phase"],
                              level=kwargs.get("level", 0), stages=stages, default=at,
-                             replicas=replicas, data_parallel=train)
+                             replicas=replicas, data_parallel=replicate)
         if train and self.count > 1 and self.comm is None and not split.replicated:
             raise PurineError(f"{self.count} replicas with a placement that names the net's "
                               "first layer: no layer is left to run once per replica (name "
@@ -104,6 +111,7 @@ class ModelParallel(Scheme):
         if host is not None:
             net.dispatcher.transport = self.messages
             self._check_root(net, split)
+            self._hosts = {L.name: L.location.host for L in net.builder.layers}
         self._splits.append((net, split))
         return net
 
@@ -128,7 +136,20 @@ class ModelParallel(Scheme):
         return action if self.comm is None else self.ranks.agree(action)
 
     def gather_state(self, private: dict) -> dict | None:
-        return private if self.root else None
+        """Rank 0's private state, with each rank's run-time state (random streams, data
+        cursors) of the layers placed on it: a layer's own rank is where it advanced."""
+        if self.comm is None:
+            return private
+        rank = self.comm.rank
+        mine = {k: v for k, v in private.get("stateful", {}).items()
+                if self._hosts.get(k.rsplit("/", 1)[0], 0) == rank}
+        parts = self.comm.gather(mine, root=0)
+        if not self.root:
+            return None
+        merged = dict(private.get("stateful", {}))
+        for part in parts:
+            merged.update(part)
+        return dict(private, stateful=merged)
 
     def gather_trace(self, events: list[dict]) -> list[dict] | None:
         return self.ranks.gather_trace(events) if self.comm is not None else events
@@ -159,8 +180,14 @@ class ModelParallel(Scheme):
 
     def load_weights(self, net: Net, path: str) -> None:
         if is_hdf5(path):
-            weights = {name: [sets[str(k)] for k in range(len(sets))]
-                       for name, sets in read_weights(path).items()}
+            weights = {}
+            for name, sets in read_weights(path).items():
+                missing = [str(k) for k in range(len(sets)) if str(k) not in sets]
+                if missing:
+                    raise PurineError(f"{path}: layer '{name}' has datasets "
+                                      f"{', '.join(sorted(sets))}; expected data/{name}/0 .. "
+                                      f"data/{name}/{len(sets) - 1}")
+                weights[name] = [sets[str(k)] for k in range(len(sets))]
         else:
             weights = load_weights(path)
         self.split_of(net).load(net, weights)

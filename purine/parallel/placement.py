@@ -257,7 +257,8 @@ class SplitNet:
                 continue
             arrays = layer_arrays(name, arrays, [v.shape for v in views], source="in the weights")
             for v, a in zip(views, arrays, strict=True):
-                v.data[...] = a
+                if net.host is None or v._data.location.host == net.host:  # another rank's
+                    v.data[...] = a
 
     def save(self, net: Net, path: str | os.PathLike, hdf5: bool = False) -> None:
         """Write ``net``'s (a Net of the split net) parameters as a caffemodel (``hdf5``: a
@@ -402,6 +403,11 @@ class _Rewrite:
         for j, t in enumerate(lp.top):
             if t in lp.bottom:  # in place: the whole copy it writes is the only current one
                 name = new.bottom[list(lp.bottom).index(t)]
+                held = dict(self.values[t].full) if t in self.values else {}
+                if name in held and held[name].memory != at.memory:
+                    # its bottom is in another memory space: it reads a copy there, so it
+                    # writes a top of its own, which then holds the value
+                    name = self.blob_name(f"{t}@{lp.name}")
                 new.top[j] = name
                 self.values[t] = _Value([(name, at)])
             else:

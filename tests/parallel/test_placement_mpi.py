@@ -122,3 +122,42 @@ def test_a_net_placed_over_ranks_runs_whole_in_one_process(tmp_path):
         net.forward(data=x, label=np.array([3.0, 997.0]))
         net.backward()
     assert_same_numbers(plain, placed, split, ["data"])
+
+
+DROPOUT_NET = """
+name: "n"
+layer { name: "d" type: "DummyData" top: "x" top: "y" dummy_data_param {
+  shape { dim: 4 dim: 6 } shape { dim: 4 dim: 4 }
+  data_filler { type: "gaussian" std: 1 } data_filler { type: "gaussian" std: 1 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "x" top: "h1" inner_product_param {
+  num_output: 16 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "drop" type: "Dropout" bottom: "h1" top: "h1" dropout_param { dropout_ratio: 0.5 } }
+layer { name: "ip2" type: "InnerProduct" bottom: "h1" top: "h2" inner_product_param {
+  num_output: 4 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "h2" bottom: "y" top: "loss" }
+"""
+
+
+def test_a_placement_over_ranks_resumes_every_ranks_random_streams(launcher, tmp_path):  # noqa: F811
+    """Rank 1's Dropout draws from its own stream: the snapshot keeps where it got to, so
+    a resumed run ends with the uninterrupted run's weights."""
+    from purine.formats import caffe_pb2 as pb
+
+    net = pb.NetParameter()
+    text_format.Parse(DROPOUT_NET, net)
+    param = pb.SolverParameter(net_param=net, base_lr=0.1, lr_policy="fixed", max_iter=4,
+                               random_seed=3, momentum=0.9, snapshot=2,
+                               snapshot_prefix=str(tmp_path / "snap"))
+    solver, placement = write(tmp_path, param, 'layer: "ip1" location: "rank1/cpu:0"\n'
+                                               'layer: "drop" location: "rank1/cpu:0"\n')
+    mpirun(launcher, tmp_path, 2, "--solver", solver, "--placement", placement)
+    (tmp_path / "straight.caffemodel").write_bytes((tmp_path / "snap_iter_4.caffemodel")
+                                                   .read_bytes())
+    mpirun(launcher, tmp_path, 2, "--solver", solver, "--placement", placement,
+           "--snapshot", str(tmp_path / "snap_iter_2.solverstate"))
+    straight, resumed = (Net(net, phase=TRAIN) for _ in range(2))
+    straight.copy_from(str(tmp_path / "straight.caffemodel"))
+    resumed.copy_from(str(tmp_path / "snap_iter_4.caffemodel"))
+    for layer, views in straight.params.items():
+        for k, v in enumerate(views):
+            np.testing.assert_array_equal(resumed.params[layer][k].data, v.data, layer)

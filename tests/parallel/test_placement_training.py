@@ -247,7 +247,10 @@ def test_hybrid_alexnet_equals_one_net_with_the_whole_batch(image_db, tmp_path, 
     if spaces:  # replica 1 reads a copy of conv1's weights, and sends its gradient home
         copies = {op.name for op in net.graph.ops if op.type == "Copy"}
         assert {"conv1/replica1/ParamIn#0", "conv1/replica1/ParamOut#0"} <= copies
-        assert net.params["conv1/replica1"][0]._data.location == C1
+        copy = next(L for L in net.builder.layers if L.name == "conv1/replica1")
+        assert copy.params[0].location == C1  # the mirror it reads
+        # pycaffe's view is the weight itself, as for a weight shared in one memory space
+        assert net.params["conv1/replica1"][0]._data is net.params["conv1"][0]._data
     else:
         assert net.params["conv1/replica1"][0]._data is net.params["conv1"][0]._data
     learnable = {p.name for p in net.builder.learnable_params}
@@ -313,10 +316,64 @@ def test_a_weight_shared_across_memory_spaces_is_mirrored_and_its_gradient_summe
         net.forward(x=x)
         net.backward()
     plain, placed = nets
-    assert placed.params["c"][0]._data.location == C1  # a mirror of a's weight
+    mirror = next(L for L in placed.builder.layers if L.name == "c").params[0]
+    assert mirror.location == C1  # c reads a mirror of a's weight
+    assert placed.params["c"][0]._data is placed.params["a"][0]._data  # views show the weight
     assert placed.builder.learnable_params == [placed.params["a"][0]._data,
                                                placed.params["a"][1]._data]
     assert placed.loss == pytest.approx(plain.loss, rel=1e-12)
     for k in range(2):
         np.testing.assert_allclose(placed.params["a"][k].diff, plain.params["a"][k].diff,
+                                   rtol=1e-12, atol=1e-14)
+
+
+def test_a_snapshot_holds_the_current_shared_weight_where_a_mirror_reads_it(tmp_path):
+    """The snapshot writes the shared weight under each layer using it (as Caffe does):
+    the weight itself, not a mirror a step behind."""
+    net = pb.NetParameter()
+    text_format.Parse(SHARED, net)
+    param = pb.SolverParameter(net_param=net, base_lr=0.1, lr_policy="fixed", max_iter=2,
+                               random_seed=3, snapshot_prefix=str(tmp_path / "s"))
+    placed = build_solver(param, placement={"c": C1, "t": C1}, dtype="float64")
+    placed.net.blobs["x"].data[...] = np.random.default_rng(2).standard_normal((3, 4))
+    placed.step(2)
+    model, _ = placed.snapshot()
+    saved = Net(net, phase=pb.TRAIN, dtype="float64")
+    saved.copy_from(model)
+    for k in range(2):  # (a caffemodel holds float32)
+        for layer in ("a", "c"):
+            np.testing.assert_allclose(saved.params[layer][k].data,
+                                       placed.net.params["a"][k].data, rtol=1e-6)
+
+
+INPLACE = """
+name: "inplace"
+layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 3 dim: 4 } } }
+layer { name: "ip1" type: "InnerProduct" bottom: "x" top: "h"
+  inner_product_param { num_output: 5 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "relu" type: "ReLU" bottom: "h" top: "h" }
+layer { name: "ip2" type: "InnerProduct" bottom: "h" top: "y"
+  inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.5 } } }
+layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "x" top: "loss" }
+"""
+
+
+def test_an_in_place_layer_left_behind_its_placed_bottom_writes_a_top_of_its_own():
+    from purine.parallel.placement import split_towers
+
+    param = pb.NetParameter()
+    text_format.Parse(INPLACE, param)
+    split = split_towers(param, {"ip1": C1})
+    relu = next(lp for lp in split.net.layer if lp.name == "relu")
+    assert list(relu.bottom) == ["h"] and list(relu.top) == ["h@relu"]
+    plain = Net(param, phase=pb.TRAIN, dtype="float64")
+    placed = Net(split.net, phase=pb.TRAIN, dtype="float64", placement=split.placement)
+    split.load(placed, {n: [v.data for v in views] for n, views in plain.params.items()})
+    x = np.random.default_rng(4).standard_normal((3, 4))
+    for net in (plain, placed):
+        net.forward(x=x)
+        net.backward()
+    assert placed.loss == pytest.approx(plain.loss, rel=1e-12)
+    for layer in ("ip1", "ip2"):
+        np.testing.assert_allclose(placed.params[layer][0].diff, plain.params[layer][0].diff,
                                    rtol=1e-12, atol=1e-14)
