@@ -79,6 +79,19 @@ class Run:
         return self.failure is not None or self.stopped or self.claimed >= self.iters
 
 
+def refuse_forward_written(net: Any, path: str) -> None:
+    """Downpour moves gradients to the server and weights back, so a parameter that the
+    forward pass writes (BatchNorm's statistics) would never reach the server, and each
+    pull would reset it: refuse such a net before iteration 0."""
+    written = {b for o in net._forward_ops for b in o.outputs}
+    for p in net.builder.learnable_params:
+        if p in written:
+            raise PurineError(f"solver {path or '(prototxt text)'}: --async cannot train layer "
+                              f"'{p.meta['layer']}': its forward pass writes parameter "
+                              f"{p.meta['index']} (statistics), which asynchronous replicas "
+                              "would never send to the server; train it synchronously")
+
+
 class ParameterServer(Solver):
     """The server side of Downpour, wherever its replicas run: the master weights, the
     solver's own update ops run once per push, and around each push what ``Solver.step``
@@ -94,6 +107,11 @@ class ParameterServer(Solver):
         if staleness < 0:
             raise PurineError(f"staleness must be 0 or more, got {staleness}")
         super().__init__(source, scheme=scheme, **kwargs)
+        try:
+            refuse_forward_written(self.net, self.path)
+        except PurineError:
+            self.close()  # its databases are free again
+            raise
         self.staleness = staleness
         self.pushes = [0] * replicas
         self.live = set(range(replicas))  # replicas that still push (a lost one does not)

@@ -121,11 +121,13 @@ def share_cores(comm: Any) -> str | None:
         node.Free()
     if ranks <= 1:
         return None
+    machine = os.cpu_count() or 1
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    threads = max(1, cores // ranks)
+        cores = machine
+    # A launcher that binds each rank to its own cores has divided them already.
+    threads = cores if cores < machine else max(1, cores // ranks)
     done = []
     if "OMP_NUM_THREADS" not in os.environ:  # read when the OpenMP runtime loads (oneDNN)
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -148,9 +150,18 @@ class Messages:
         self.comm = comm
 
     def send(self, array: Any, host: int, tag: int) -> None:
+        self._check(tag)
         self.comm.Send(np.ascontiguousarray(to_host(array)), dest=host, tag=tag)
 
+    def _check(self, tag: int) -> None:
+        bound = self.comm.Get_attr(_mpi().TAG_UB)
+        if bound is not None and tag > bound:
+            raise PurineError(f"this MPI allows message tags up to {bound}, and the graph "
+                              f"needs {tag}: the net has too many ops for a placement over "
+                              "ranks with this MPI")
+
     def receive(self, array: Any, host: int, tag: int) -> None:
+        self._check(tag)
         if is_device_array(array) or not array.flags.c_contiguous:
             buf = np.empty(array.shape, array.dtype)
             self.comm.Recv(buf, source=host, tag=tag)

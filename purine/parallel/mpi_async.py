@@ -31,7 +31,7 @@ from purine.caffe.solver import Scheme, SignalHandler, Solver
 from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.graph import Blob
-from purine.parallel.async_ps import ParameterServer, Run
+from purine.parallel.async_ps import ParameterServer, Run, refuse_forward_written
 
 PULL, WEIGHTS, GRADS, STOP, BYE, FINALIZE, BEAT, FAILED = range(11, 19)  # message tags
 SERVER = 0
@@ -52,6 +52,7 @@ class Link:
         self.seen = dict.fromkeys(peers, time.monotonic())
         self._lock = threading.Lock()
         self._sending: list[tuple[Any, np.ndarray]] = []  # a buffer lives until sent
+        self._abandoned: list[tuple[Any, np.ndarray]] = []  # receives given up on, kept
         self._stop = threading.Event()
         self._beats = threading.Thread(target=self._beat, args=(interval,), daemon=True,
                                        name="purine-heartbeat")
@@ -60,7 +61,10 @@ class Link:
     def _beat(self, interval: float) -> None:
         while not self._stop.wait(interval):
             for k in list(self.peers):
-                self.send(k, BEAT, np.zeros(1))
+                try:
+                    self.send(k, BEAT, np.zeros(1))
+                except self.MPI.Exception:  # a lost peer's transport may refuse: its silence
+                    self.peers.remove(k)    # decides, and the others still hear from us
 
     def send(self, dest: int, tag: int, array: np.ndarray) -> None:
         with self._lock:
@@ -90,6 +94,9 @@ class Link:
                 if req.Test():
                     return buf
             if time.monotonic() > deadline:
+                # MPI may still write into the buffer: it lives as long as the request
+                with self._lock:
+                    self._abandoned.append((req, buf))
                 return None
             time.sleep(POLL_S / 4)
 
@@ -317,6 +324,11 @@ class MpiWorker:
         self.comm, self.heartbeat = comm, heartbeat
         self.solver = Solver(source, scheme=_WorkerScheme(comm.rank - 1, comm.size - 1),
                              **kwargs)
+        try:
+            refuse_forward_written(self.solver.net, self.solver.path)
+        except PurineError:
+            self.solver.close()
+            raise
         self.sizes = Sizes(self.solver)
         s = self.solver
         acc = {o.inputs[0]: o.outputs[0] for o in s.accumulate_ops}

@@ -281,3 +281,27 @@ def test_bad_arguments():
         AsyncSolver(pb.SolverParameter(), staleness=-1)
     with pytest.raises(PurineError, match="replica"):
         AsyncSolver(pb.SolverParameter(), replicas=0)
+
+
+BATCHNORM_NET = """
+name: "bn"
+layer { name: "data" type: "DummyData" top: "data" top: "label"
+  dummy_data_param { data_filler { type: "gaussian" std: 1 mean: 3 }
+    data_filler { type: "constant" value: 0 } shape { dim: 8 dim: 4 } shape { dim: 8 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "bn" type: "BatchNorm" bottom: "ip" top: "bn" }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "bn" bottom: "label" top: "loss" }
+"""
+
+
+def test_a_layer_whose_forward_pass_writes_its_parameters_is_refused():
+    """BatchNorm's statistics would never reach the server (and each pull would reset
+    them): refused before iteration 0, as over MPI."""
+    from google.protobuf import text_format as tf
+
+    s = pb.SolverParameter(base_lr=0.01, lr_policy="fixed", max_iter=10, random_seed=1)
+    tf.Parse(BATCHNORM_NET, s.net_param)
+    with pytest.raises(PurineError, match=r"--async cannot train layer 'bn': its forward pass "
+                                          r"writes parameter 0 \(statistics\)"):
+        AsyncSolver(s, replicas=2)

@@ -245,7 +245,9 @@ def test_ranks_on_one_machine_split_its_cores_unless_the_environment_says(monkey
     import purine.backend as backend
 
     monkeypatch.setattr(mpi, "_mpi", lambda: SimpleNamespace(COMM_TYPE_SHARED="shared"))
-    monkeypatch.setattr(mpi.os, "sched_getaffinity", lambda pid: set(range(8)))
+    cores = set(range(8))
+    monkeypatch.setattr(mpi.os, "sched_getaffinity", lambda pid: cores)
+    monkeypatch.setattr(mpi.os, "cpu_count", lambda: 8)
     asked = []
     monkeypatch.setattr(backend, "set_blas_threads", lambda n: asked.append(n) or 8)
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -255,7 +257,11 @@ def test_ranks_on_one_machine_split_its_cores_unless_the_environment_says(monkey
     assert mpi.share_cores(Job(4)) == ("4 ranks share this machine's 8 cores: 2 OpenMP and "
                                        "OpenBLAS thread(s) each")
     assert asked == [2] and mpi.os.environ["OMP_NUM_THREADS"] == "2"
+    cores = {0, 1, 2}  # a launcher bound this rank to 3 cores: they are all its own
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert mpi.share_cores(Job(4)).startswith("4 ranks share this machine's 3 cores: 3 ")
+    assert asked == [2, 3]
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "3")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert mpi.share_cores(Job(4)).endswith("thread counts as the environment sets them")
-    assert asked == [2]
+    assert asked == [2, 3]
