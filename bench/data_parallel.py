@@ -56,6 +56,11 @@ def solver(name: str, db: str):
         if layer.type == "Data":
             layer.data_param.source = db
             layer.transform_param.ClearField("mean_file")
+    return bench_solver(solver_file, net)
+
+
+def bench_solver(solver_file: str, net):
+    """The zoo's ``solver_file`` training ``net``: no tests, displays or snapshots, seed 1."""
     s = read_solver(model_file(solver_file))
     s.ClearField("net")
     s.net_param.CopyFrom(net)

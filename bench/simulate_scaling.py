@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the benches' shared parts
 
 DEVICES = (2, 4, 8, 16, 32, 64)
 # (train net, solver, one image's shape C x H x W after the data layer's transform)
@@ -101,7 +102,8 @@ def predict(profile: Profile, devices: int, bandwidth: float, latency: float) ->
 def solver_param(name: str, batch: int | None = None):
     """The net's solver with its train Data layer replaced by constant DummyData (images
     0.5, labels 0) of the batch's shape; no tests, displays or snapshots."""
-    from purine.caffe.solver import read_solver
+    from data_parallel import bench_solver
+
     from purine.formats.prototxt import read_net
     from purine.zoo import model_file
 
@@ -118,12 +120,7 @@ def solver_param(name: str, batch: int | None = None):
             d.shape.add().dim[:] = [n]
             d.data_filler.add(type="constant", value=0.5)
             d.data_filler.add(type="constant", value=0.0)
-    s = read_solver(model_file(solver_file))
-    s.ClearField("net")
-    s.net_param.CopyFrom(net)
-    del s.test_iter[:]
-    s.test_interval = s.display = s.snapshot = 0
-    s.random_seed = 1
+    s = bench_solver(solver_file, net)
     s.ClearField("solver_mode")
     return s
 
