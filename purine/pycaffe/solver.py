@@ -17,7 +17,9 @@ from purine.pycaffe.net import Net
 
 class Solver(caffe_solver.Solver):
     """A solver read from a solver prototxt file: ``net``, ``test_nets``, ``iter``,
-    ``step(n)``, ``solve(resume=None)``, ``snapshot()``, ``restore(path)``."""
+    ``step(n)``, ``solve(resume=None)``, ``snapshot()``, ``restore(path)``. Keywords as
+    ``purine.parallel.build_solver``'s: ``replicas``, ``comm``, ``replica_locations``
+    (data parallelism), ``placement`` (model parallelism; with replicas, the hybrid)."""
 
     solver_type: str | None = None  # the update rule a subclass forces
 
@@ -29,7 +31,13 @@ class Solver(caffe_solver.Solver):
             param.random_seed = settings.seed
         source = os.fspath(path)
         kwargs.setdefault("location", mode.location())
-        if {"replicas", "comm", "replica_locations"} & kwargs.keys():  # data parallelism
+        if kwargs.get("placement") is not None:  # model parallelism (with replicas: hybrid)
+            from purine.parallel.model_parallel import ModelParallel
+
+            kwargs["scheme"] = ModelParallel(kwargs.pop("placement"), kwargs.pop("replicas", 1),
+                                             kwargs.pop("replica_locations", None),
+                                             kwargs.pop("comm", None))
+        elif {"replicas", "comm", "replica_locations"} & kwargs.keys():  # data parallelism
             kwargs["scheme"] = DataParallel(kwargs.pop("replicas", 1), kwargs.pop("comm", None),
                                             kwargs.pop("replica_locations", None))
         super().__init__(param, path=source if os.path.exists(source) else "", **kwargs)

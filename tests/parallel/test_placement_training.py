@@ -377,3 +377,18 @@ def test_an_in_place_layer_left_behind_its_placed_bottom_writes_a_top_of_its_own
     for layer in ("ip1", "ip2"):
         np.testing.assert_allclose(placed.params[layer][0].diff, plain.params[layer][0].diff,
                                    rtol=1e-12, atol=1e-14)
+
+
+def test_pycaffe_solvers_take_a_placement(image_db, tmp_path):
+    import purine.pycaffe as caffe
+
+    param = alexnet_solver(image_db, max_iter=2)
+    path = tmp_path / "solver.prototxt"
+    path.write_text(text_format.MessageToString(param))
+    placed = caffe.SGDSolver(str(path), placement=str(PLACEMENT))
+    plain = build_solver(param, placement=PLACEMENT)
+    assert [L.name for L in placed.net.builder.layers] == \
+        [L.name for L in plain.net.builder.layers]
+    assert placed.net.params["conv2/tower1"][0].data.shape == (128, 48, 5, 5)
+    placed.step(2)
+    assert placed.iter == 2 and np.isfinite(placed.net.blobs["loss"].data).all()
