@@ -3,7 +3,8 @@ solver's own update ops, tests, display, snapshots), ranks 1..N-1 are workers, r
 replica k-1 of N-1, each looping pull -> forward/backward -> push with point-to-point
 messages and no barrier. A worker that falls silent is dropped and training goes on.
 
-Every message is a float64 array (float32 values round-trip exactly). Every MPI call is
+Every message is an array of the net's float type (a float32 net's weights travel as
+float32; a message's head, an iteration or a loss, is exact to 2^24). Every MPI call is
 non-blocking and made under one lock, beside a heartbeat thread that sends each peer a
 small message every tenth of the heartbeat timeout. MPICH tells a survivor nothing about
 a killed rank (a send to it completes, a receive from it never does), so silence is the
@@ -44,10 +45,14 @@ class Link:
     ``peers`` a heartbeat every ``interval`` seconds. ``seen[k]``: when rank k was last
     heard from."""
 
-    def __init__(self, comm: Any, peers: list[int], interval: float):
+    def __init__(self, comm: Any, peers: list[int], interval: float,
+                 dtype: Any = np.float64):
         from mpi4py import MPI
+        from mpi4py.util.dtlib import from_numpy_dtype
 
         self.MPI, self.comm = MPI, comm
+        self.dtype = np.dtype(dtype)  # of every message, both ways
+        self._mpi_type = from_numpy_dtype(self.dtype)
         self.peers = list(peers)
         self.seen = dict.fromkeys(peers, time.monotonic())
         self._lock = threading.Lock()
@@ -67,6 +72,7 @@ class Link:
                     self.peers.remove(k)    # decides, and the others still hear from us
 
     def send(self, dest: int, tag: int, array: np.ndarray) -> None:
+        array = np.ascontiguousarray(array, self.dtype)
         with self._lock:
             self._sending.append((self.comm.Isend(array, dest, tag), array))
             # A send to a lost rank may never complete: it is kept, never waited on.
@@ -80,12 +86,12 @@ class Link:
         if msg is None:
             return None
         self.seen[status.source] = time.monotonic()
-        return status.source, status.tag, msg, status.Get_count(self.MPI.DOUBLE)
+        return status.source, status.tag, msg, status.Get_count(self._mpi_type)
 
     def receive(self, msg: Any, count: int, timeout: float) -> np.ndarray | None:
         """The matched message's values; None if they do not arrive within ``timeout``
         seconds (the sender died while sending)."""
-        buf = np.empty(count)
+        buf = np.empty(count, self.dtype)
         with self._lock:
             req = msg.Irecv(buf)
         deadline = time.monotonic() + timeout
@@ -115,9 +121,9 @@ class Link:
             time.sleep(POLL_S)
 
 
-def flat(arrays: list[Any], head: list[float]) -> np.ndarray:
-    return np.concatenate([np.asarray(head, np.float64)]
-                          + [np.asarray(a, np.float64).ravel() for a in arrays])
+def flat(arrays: list[Any], head: list[float], dtype: Any = np.float64) -> np.ndarray:
+    return np.concatenate([np.asarray(head, dtype)]
+                          + [np.asarray(a, dtype).ravel() for a in arrays])
 
 
 def unflatten(values: np.ndarray, blobs: list[Blob], arrays: Callable[[Blob], Any]) -> None:
@@ -148,6 +154,7 @@ class Sizes:
         self.params = list(b.learnable_params)
         self.active = [u for u in solver.updates if u.param.meta["lr_mult"] != 0]
         self.outputs = {n: b.data[n] for n in solver.net.outputs}
+        self.dtype = np.dtype(b.dtype)  # the messages' (the same on every rank)
         self.weights = 1 + sum(p.count for p in self.params)
         self.grads = (1 + sum(o.count for o in self.outputs.values())
                       + sum(u.param.count for u in self.active))
@@ -175,7 +182,8 @@ class MpiServer(ParameterServer):
 
     def start(self) -> None:
         """Listen and send heartbeats to the workers (after the start-up handshake)."""
-        self.link = Link(self.comm, list(range(1, self.comm.size)), self.heartbeat / 10)
+        self.link = Link(self.comm, list(range(1, self.comm.size)), self.heartbeat / 10,
+                         self.sizes.dtype)
 
     def _stateful(self) -> dict[str, Any]:
         """The test nets' cursors: the workers' data cursors stay in the workers, which
@@ -256,7 +264,7 @@ class MpiServer(ParameterServer):
             self._log_pull(r)
             d = self.net.dispatcher
             self.link.send(r + 1, WEIGHTS, flat([d.array(p) for p in self.sizes.params],
-                                                [self.iter]))
+                                                [self.iter], self.sizes.dtype))
             sent = True
         return sent
 
@@ -340,7 +348,7 @@ class MpiWorker:
 
     def run(self) -> tuple[int, str, bool]:
         """Train until told; returns the exit code, why, and whether to finalize MPI."""
-        link = Link(self.comm, [SERVER], self.heartbeat / 10)
+        link = Link(self.comm, [SERVER], self.heartbeat / 10, self.sizes.dtype)
         try:
             link.send(SERVER, PULL, np.zeros(1))
             while True:
@@ -362,7 +370,7 @@ class MpiWorker:
                 loss = self._compute()
                 outputs = [d.array(b) for b in self.sizes.outputs.values()]
                 link.send(SERVER, GRADS, flat(outputs + [d.array(g) for g in self._grads],
-                                              [loss]))
+                                              [loss], self.sizes.dtype))
                 self.pushes += 1
                 link.send(SERVER, PULL, np.zeros(1))
         except BaseException:
