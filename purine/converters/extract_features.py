@@ -46,6 +46,25 @@ def _location(mode: str, device_id: int):
     return Location("gpu", device_id)
 
 
+# One float of a Datum's float_data (field 6, a 32-bit value, unpacked as Caffe writes it):
+# its tag byte, then the float, little-endian.
+_FLOAT_FIELD = np.dtype([("tag", "u1"), ("value", "<f4")])
+_FLOAT_TAG = (6 << 3) | 5
+
+
+def datum_records(values: np.ndarray, channels: int, height: int, width: int) -> list[bytes]:
+    """Each row of ``values`` (N, C*H*W) as a serialized Datum of float_data, the bytes
+    protobuf writes for ``Datum(channels, height, width, float_data=row)``, made for all
+    rows at once rather than value by value."""
+    head = pb.Datum(channels=channels, height=height, width=width).SerializeToString()
+    fields = np.empty(values.shape, _FLOAT_FIELD)
+    fields["tag"] = _FLOAT_TAG
+    fields["value"] = values
+    body = fields.tobytes()
+    size = values.shape[1] * _FLOAT_FIELD.itemsize
+    return [head + body[k * size:(k + 1) * size] for k in range(values.shape[0])]
+
+
 def extract_features(weights: str | os.PathLike, model: str | os.PathLike,
                      blobs: Sequence[str], dbs: Sequence[str | os.PathLike], num_batches: int,
                      backend: str = "lmdb", *, mode: str = "CPU", device_id: int = 0,
@@ -96,11 +115,9 @@ def extract_features(weights: str | os.PathLike, model: str | os.PathLike,
                     net.forward()
                     for i, name in enumerate(blobs):
                         n, c, h, w = dims[name]
-                        values = to_host(net.blobs[name].data).astype(np.float32).reshape(n, -1)
-                        for row in values:
-                            datum = pb.Datum(channels=c, height=h, width=w)
-                            datum.float_data.extend(row.tolist())
-                            writers[i].put(f"{counts[i]:010d}", datum)
+                        values = to_host(net.blobs[name].data).reshape(n, -1)
+                        for record in datum_records(values, c, h, w):
+                            writers[i].put(f"{counts[i]:010d}", record)
                             counts[i] += 1
                             if counts[i] % COMMIT_EVERY == 0:
                                 writers[i].commit()

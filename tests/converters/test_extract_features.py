@@ -11,7 +11,7 @@ import purine.backend
 from purine import cli
 from purine.caffe import TEST, Net
 from purine.converters import ConvertError
-from purine.converters.extract_features import extract_features, main
+from purine.converters.extract_features import datum_records, extract_features, main
 from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
 from tests.converters.helpers import Lines, read_lmdb
@@ -191,3 +191,15 @@ def test_an_error_mid_run_leaves_no_database(tmp_path, model):
     with pytest.raises(ConvertError, match="blob 'x' has shape"):
         from purine.converters.extract_features import _legacy_dims
         _legacy_dims("x", (1, 2, 3, 4, 5))
+
+
+def test_records_are_the_bytes_protobuf_writes_for_each_datum():
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((4, 12))  # float64 blobs are stored as float32, as Caffe's
+    values[0, 0], values[1, 3] = np.nan, -0.0
+    records = datum_records(values, 3, 2, 2)
+    assert len(records) == 4
+    for row, record in zip(values, records, strict=True):
+        datum = pb.Datum(channels=3, height=2, width=2)
+        datum.float_data.extend(row.astype(np.float32).tolist())
+        assert record == datum.SerializeToString()
