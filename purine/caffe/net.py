@@ -689,14 +689,15 @@ class Net:
         self._shared_with = other
 
     # -- weights -----------------------------------------------------------------------
-    def copy_from(self, path: str | os.PathLike) -> None:
+    def copy_from(self, path: str | os.PathLike) -> set[str]:
         """Copy parameters from a .caffemodel or, when the file is HDF5 (told by its
         signature, as Caffe's CopyTrainedLayersFrom does), a .caffemodel.h5, by layer name:
-        layers it lacks keep theirs; a shape mismatch is an error naming both shapes."""
+        layers it lacks keep theirs; a shape mismatch is an error naming both shapes.
+        Returns the names of the layers whose parameters it copied."""
         if is_hdf5(path):
-            self.load_hdf5(path)
-            return
+            return self.load_hdf5(path)
         known, log, source = set(self.layer_names), get_logger(), read_caffemodel(path)
+        copied: set[str] = set()
         # The file's layers in order (a name given twice: the last copy stays, as in Caffe).
         for layer in list(source.layer) + list(source.layers):
             name = layer.name
@@ -711,13 +712,17 @@ class Net:
                                   where=f"{os.fspath(path)}: ")
             for v, a in zip(views, arrays):
                 assign(v.data, a)
+            copied.add(name)
+        return copied
 
-    def load_hdf5(self, path: str | os.PathLike) -> None:
+    def load_hdf5(self, path: str | os.PathLike) -> set[str]:
         """Copy parameters from a .caffemodel.h5 (``data/<layer>/<i>``), as Caffe's
         CopyTrainedLayersFromHDF5: shapes must match exactly, and a blob may be missing
-        only where the layer shares it from another layer."""
+        only where the layer shares it from another layer. Returns the names of the layers
+        whose parameters it copied."""
         path = os.fspath(path)
         known = set(self.layer_names)
+        copied: set[str] = set()
         for name, datasets in read_weights(path).items():
             if name not in known:
                 get_logger().info("Ignoring source layer %s", name)
@@ -739,6 +744,8 @@ class Net:
                     raise PurineError(f"{path}: layer '{name}' parameter {k} has shape "
                                       f"{a.shape} in the file, the net expects {v.shape}")
                 assign(v.data, a)
+                copied.add(name)
+        return copied
 
     def _owns(self, layer: str, k: int) -> bool:
         """Whether ``layer``'s parameter ``k`` is its own (not shared from another layer)."""

@@ -7,16 +7,13 @@ import os
 from typing import Any
 
 from purine.converters import ConvertError
-from purine.formats.caffemodel import read_caffemodel
 
 
 def copy_every_layer(net: Any, weights: str | os.PathLike) -> None:
     """``net.copy_from(weights)``, refused when the file lacks a layer's parameters: Caffe's
     copy keeps the fillers' values for such a layer, an export must not."""
-    stored = read_caffemodel(weights)
-    in_file = {lp.name for lp in list(stored.layer) + list(stored.layers) if lp.blobs}
-    missing = [name for name in net.params if name not in in_file]
+    copied = net.copy_from(weights)
+    missing = [name for name in net.params if name not in copied]
     if missing:
         raise ConvertError(f"{os.fspath(weights)}: no parameters for layer(s) "
                            f"{', '.join(missing)} of the net")
-    net.copy_from(weights)
