@@ -403,6 +403,12 @@ def test_onnx_lenet(tmp_path, capsys):
                       str(tmp_path / "w.caffemodel"), str(tmp_path / "cli.onnx")]) == 0
     assert "outputs prob" in capsys.readouterr().err
     assert (tmp_path / "cli.onnx").read_bytes() == (tmp_path / "net.onnx").read_bytes()
+    # The same weights as a .caffemodel.h5 export to the same model.
+    pytest.importorskip("h5py", reason="HDF5 caffemodels need h5py (pip install h5py)")
+    net.save_hdf5(tmp_path / "w.caffemodel.h5")
+    assert onnx_main(["--model", str(tmp_path / "deploy.prototxt"), "--weights",
+                      str(tmp_path / "w.caffemodel.h5"), str(tmp_path / "h5.onnx")]) == 0
+    assert (tmp_path / "h5.onnx").read_bytes() == (tmp_path / "net.onnx").read_bytes()
 
 
 def test_onnx_batchnorm_concat_eltwise_lrn_and_ceil_pooling(tmp_path):
