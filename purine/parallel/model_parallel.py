@@ -23,7 +23,7 @@ from purine.formats.hdf5_snapshot import is_hdf5, read_weights
 from purine.graph import CPU, Blob, Location
 from purine.parallel.placement import REPLICAS, SplitNet, read_placement, split_towers
 
-Placement = Mapping[str, Location | Sequence[Location]]
+Placement = Mapping[str, Location | str | Sequence[Location | str]]  # str: REPLICAS
 
 
 class ModelParallel(Scheme):
@@ -41,7 +41,8 @@ class ModelParallel(Scheme):
 
     With ``comm``, an mpi4py communicator of R ranks, the placement spans processes: a
     location ``rankH/cpu:0`` is on rank H, the word ``replicas`` stands for the R ranks (one
-    replica each), and every rank builds the whole graph and runs its share of it; a Copy
+    replica each; a placement without the word keeps the batch as written, nothing
+    replicated), and every rank builds the whole graph and runs its share of it; a Copy
     op between ranks is an MPI message (purine.parallel.mpi.Messages). Rank 0 holds the
     loss and the outputs, logs, tests and writes snapshots with every rank's weights
     gathered to it."""
