@@ -11,11 +11,15 @@ import pytest
 
 from purine.backend import gpu_count
 from purine.caffe.solver import Solver
-from purine.formats import caffe_pb2 as pb
 from purine.graph import Location
 from purine.parallel import build_solver
 from tests.gpu.common import requires_gpu
-from tests.parallel.test_placement_training import PLACEMENT, alexnet_solver, image_db  # noqa: F401
+from tests.parallel.test_placement_training import (  # noqa: F401 -- image_db: a fixture
+    PLACEMENT,
+    alexnet_solver,
+    image_db,
+    per_replica_and_whole,
+)
 
 G0, G1 = Location("gpu", 0), Location("gpu", 1)
 
@@ -52,15 +56,7 @@ def test_two_towers_on_two_gpus_train_as_the_unsplit_net(image_db, tmp_path):  #
 @requires_gpu
 def test_the_hybrid_with_a_replica_per_gpu_equals_the_whole_batch(image_db, tmp_path):  # noqa: F811
     needs_two_gpus()
-    param = alexnet_solver(image_db)
-    for lp in param.net_param.layer:
-        if lp.type == "Data":
-            lp.data_param.batch_size = 2
-    whole = pb.SolverParameter()
-    whole.CopyFrom(param)
-    for lp in whole.net_param.layer:
-        if lp.type == "Data":
-            lp.data_param.batch_size = 4
+    param, whole = per_replica_and_whole(image_db, 2)
     hybrid = tmp_path / "hybrid.placement"
     hybrid.write_text('layer { name: "fc6" location: "replicas" }\n'
                       'layer { name: "relu6" location: "replicas" }\n')

@@ -202,6 +202,18 @@ def test_train_with_a_placement_file_from_the_command_line(image_db, tmp_path):
 HYBRID = ALEXNET / "one_weird_trick.placement"
 
 
+def per_replica_and_whole(db: str, replicas: int, batch: int = 2
+                          ) -> tuple[pb.SolverParameter, pb.SolverParameter]:
+    """The test solver with ``batch`` images per replica, and the same with the replicas'
+    batches together (what the hybrid must equal)."""
+    param, whole = alexnet_solver(db), alexnet_solver(db)
+    for p, n in ((param, batch), (whole, batch * replicas)):
+        for lp in p.net_param.layer:
+            if lp.type == "Data":
+                lp.data_param.batch_size = n
+    return param, whole
+
+
 @pytest.mark.parametrize("replicas,spaces", [(2, False), (4, False), (2, True)],
                          ids=["2-workers", "4-workers", "2-memory-spaces"])
 def test_hybrid_alexnet_equals_one_net_with_the_whole_batch(image_db, tmp_path, replicas,
@@ -210,15 +222,7 @@ def test_hybrid_alexnet_equals_one_net_with_the_whole_batch(image_db, tmp_path, 
     images, one set of weights), fc6 and fc7 split into a tower per replica over every
     replica's images; equal to one net trained with the replicas' batches together. With
     ``spaces`` replica 1 is in another memory space (the layout of one GPU per replica)."""
-    param = alexnet_solver(image_db)
-    for lp in param.net_param.layer:
-        if lp.type == "Data":
-            lp.data_param.batch_size = 2
-    whole = pb.SolverParameter()
-    whole.CopyFrom(param)
-    for lp in whole.net_param.layer:
-        if lp.type == "Data":
-            lp.data_param.batch_size = 2 * replicas
+    param, whole = per_replica_and_whole(image_db, replicas)
     # The shipped file, less the Dropout layers this test's net leaves out.
     placement = tmp_path / "hybrid.placement"
     placement.write_text("".join(line for line in HYBRID.read_text().splitlines(True)
