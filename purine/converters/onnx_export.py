@@ -15,7 +15,7 @@ import numpy as np
 
 from purine.caffe.layers.vision import pool_values, spatial_values
 from purine.converters import ConvertError, flag, run_main
-from purine.converters.deploy import copy_every_layer
+from purine.converters.deploy import axis_index, copy_every_layer, unsupported
 from purine.converters.progress import Progress
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write
@@ -164,15 +164,7 @@ class _Exporter:
 
 
 def _unsupported(L: LayerBuild, why: str = "") -> ConvertError:
-    if why:
-        return ConvertError(f"layer '{L.name}' (type {L.type}): {why}")
-    hint = ""
-    if L.type in ("Data", "ImageData", "HDF5Data", "MemoryData", "DummyData", "WindowData"):
-        hint = "; export a deploy prototxt whose inputs are Input layers"
-    elif "Loss" in L.type or L.type == "Accuracy":
-        hint = "; export a deploy prototxt, without loss and accuracy layers"
-    return ConvertError(f"layer '{L.name}' (type {L.type}): ONNX export does not support this "
-                        f"layer type{hint} (supported: {', '.join(sorted(_HANDLERS))})")
+    return unsupported(L, "ONNX", _HANDLERS, why)
 
 
 def _is_alias(L: LayerBuild) -> bool:
@@ -181,9 +173,7 @@ def _is_alias(L: LayerBuild) -> bool:
 
 
 def _axis(L: LayerBuild, axis: int, ndim: int) -> int:
-    if not -ndim <= axis < ndim:
-        raise _unsupported(L, f"axis {axis} is out of range for {ndim} axes")
-    return axis % ndim
+    return axis_index(L, axis, ndim, "ONNX")
 
 
 # -- layer handlers -----------------------------------------------------------------------

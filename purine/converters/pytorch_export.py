@@ -22,7 +22,7 @@ import numpy as np
 
 from purine.caffe.layers.vision import pool_values, spatial_values
 from purine.converters import ConvertError, flag, run_main
-from purine.converters.deploy import copy_every_layer
+from purine.converters.deploy import axis_index, copy_every_layer, unsupported
 from purine.converters.progress import Progress
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write
@@ -444,20 +444,11 @@ def _doc(text: str) -> str:
 
 
 def _unsupported(L: LayerBuild, why: str = "") -> ConvertError:
-    if why:
-        return ConvertError(f"layer '{L.param.name}' (type {L.type}): no exact PyTorch form: "
-                            f"{why}")
-    hint = ""
-    if "Loss" in L.type or L.type == "Accuracy":
-        hint = "; export a deploy prototxt, without loss and accuracy layers"
-    return ConvertError(f"layer '{L.param.name}' (type {L.type}): no exact PyTorch form "
-                        f"(supported: {', '.join(sorted(_HANDLERS))}){hint}")
+    return unsupported(L, "PyTorch", _HANDLERS, why)
 
 
 def _axis(L: LayerBuild, axis: int, ndim: int) -> int:
-    if not -ndim <= axis < ndim:
-        raise _unsupported(L, f"axis {axis} is out of range for {ndim} axes")
-    return axis % ndim
+    return axis_index(L, axis, ndim, "PyTorch")
 
 
 # -- layer handlers ------------------------------------------------------------------------

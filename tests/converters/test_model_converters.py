@@ -471,12 +471,12 @@ def test_onnx_refusals(tmp_path):
     """
     cases = [
         ('layer { name: "act" type: "ELU" bottom: "data" top: "act" }',
-         r"layer 'act' \(type ELU\): ONNX export does not support this layer type \(supported: "
-         r"BatchNorm, .*Convolution, "),
+         r"layer 'act' \(type ELU\): no exact ONNX form \(supported: BatchNorm, .*Convolution, "),
         # Caffe's last window starts at 6, past the input: an empty window.
         ('layer { name: "p" type: "Pooling" bottom: "data" top: "p" '
          'pooling_param { pool: AVE kernel_size: 2 stride: 3 } }',
-         "layer 'p' \\(type Pooling\\): the last pooling window along the height starts at 6"),
+         "layer 'p' \\(type Pooling\\): no exact ONNX form: the last pooling window along the "
+         "height starts at 6"),
         ('layer { name: "p" type: "Pooling" bottom: "data" top: "p" top: "mask" '
          'pooling_param { pool: MAX kernel_size: 2 stride: 2 } }', "argmax"),
         ('layer { name: "bn" type: "BatchNorm" bottom: "data" top: "bn" '
