@@ -33,7 +33,6 @@ import ctypes
 import importlib.metadata
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -56,6 +55,9 @@ if "NUMBA_CACHE_DIR" not in os.environ:  # keep numba's cache out of the checkou
 
 import numpy as np  # noqa: E402
 
+# The package's own ctypes pieces: the version and argument structs, the loader of a wheel's
+# libdnnl.so and the libraries beside it.
+from purine.backend.onednn import _ExecArg, _load, _Version  # noqa: E402
 from purine.ops.conv import (  # noqa: E402
     ConvGeometry,
     _row_weight,
@@ -176,48 +178,8 @@ RUNTIMES = {1: "sequential", 2: "OpenMP", 4: "TBB", 8: "threadpool", 256: "OpenC
 MEMORY_ALLOCATE = ctypes.c_void_p(2**64 - 1)  # DNNL_MEMORY_ALLOCATE: the library allocates
 
 
-class _Version(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int),
-                ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint),
-                ("gpu_runtime", ctypes.c_uint)]
-
-
-class _ExecArg(ctypes.Structure):
-    _fields_ = [("arg", ctypes.c_int), ("memory", ctypes.c_void_p)]
-
-
 def _dims(values: tuple[int, ...]) -> Any:
     return (ctypes.c_int64 * 12)(*values)
-
-
-def _load_with_deps(path: str) -> ctypes.CDLL:
-    """dlopen ``path``; the libraries it needs that the loader cannot find (Intel's wheels
-    install them beside it, with no RUNPATH) are preloaded from its folder first."""
-    folder = os.path.dirname(path)
-    for _ in range(64):
-        try:
-            return ctypes.CDLL(path)
-        except OSError as e:
-            m = re.search(r"(\S+\.so[.\d]*): cannot open shared object", str(e))
-            dep = m and os.path.join(folder, m.group(1))
-            if not dep or dep == path or not os.path.exists(dep):
-                raise
-            _load_global(dep)
-    raise OSError(f"{path}: too many missing dependencies")
-
-
-def _load_global(path: str) -> None:
-    folder = os.path.dirname(path)
-    for _ in range(64):
-        try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            return
-        except OSError as e:
-            m = re.search(r"(\S+\.so[.\d]*): cannot open shared object", str(e))
-            dep = m and os.path.join(folder, m.group(1))
-            if not dep or dep == path or not os.path.exists(dep):
-                raise
-            _load_global(dep)
 
 
 class Dnnl:
@@ -225,7 +187,7 @@ class Dnnl:
 
     def __init__(self, path: str):
         t0 = time.perf_counter()
-        lib = self.lib = _load_with_deps(path)
+        lib = self.lib = _load(path)
         self.load_s = time.perf_counter() - t0
         lib.dnnl_version.restype = ctypes.POINTER(_Version)
         v = lib.dnnl_version().contents
