@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from purine.backend import activate, allocate, record, stream, wait
 from purine.errors import PurineError
 from purine.graph import Blob, Graph, Location, Op
-from purine.runtime.memory import Buffer, MemoryPlan, blob_nbytes, check_capacity
+from purine.runtime.memory import Buffer, MemoryPlan, Store, blob_nbytes
 
 
 @dataclass(frozen=True)
@@ -124,14 +124,18 @@ class Dispatcher:
     inputs written by no op in it are taken as ready."""
 
     def __init__(self, graph: Graph, *, profile: bool = False,
-                 memory_plan: MemoryPlan | None = None, host: int | None = None):
+                 memory_plan: MemoryPlan | None = None, host: int | None = None,
+                 store: Store | None = None):
         self.graph = graph
         # One host (MPI rank) of a graph placed on several: this dispatcher runs the host's
         # share of every sequence, and ``transport`` moves what crosses to another host.
         self.host = host
         self.transport: Transport | None = None
-        self._tags: dict[Op, int] = {}
-        self.arrays: dict[Blob, Any] = {}
+        self._tags: dict[str, int] = {}
+        # The blobs' storage, by name: a net's builds for other shapes share it
+        self.store = store if store is not None else Store()
+        self._generation = self.store.generation
+        self.arrays: dict[Blob, Any] = {}  # views of the store's buffers, made on first use
         self.profile = profile
         self.trace: list[TraceEvent] = []
         self._plans: dict[tuple[Op, ...], _Plan] = {}
@@ -143,44 +147,43 @@ class Dispatcher:
         self.memory_plan: MemoryPlan | None = None
         self._storage: dict[Blob, Buffer] = {}  # the plan's blob -> buffer key
         self._buffers: dict[Buffer, Any] = {}
-        self._held: dict[tuple, int] = {}  # bytes allocated here, by memory space
         self.external: set[Blob] = set()  # blobs bound to storage from outside
         if memory_plan is not None:
             self.set_memory_plan(memory_plan)
 
     # -- storage ----------------------------------------------------------------------
+    @property
+    def _held(self) -> dict[tuple, int]:
+        return self.store.held
+
     def array(self, blob: Blob) -> Any:
+        if self._generation != self.store.generation:
+            # Another build's blob outgrew a buffer this one had views of: make them anew.
+            self.arrays.clear()
+            self._bound.clear()
         a = self.arrays.get(blob)
         if a is None:
             key = self._storage.get(blob)
             if key is None:
-                self._reserve(blob.location, blob_nbytes(blob),
-                              f"blob '{blob.name}' {blob.shape} {blob.dtype}")
-                a = allocate(blob.location, blob.shape, blob.dtype)
+                a = self.store.view(blob)
             else:  # a view of the buffer the plan shares
                 buf = self._buffers.get(key)
                 if buf is None:
                     size = self.memory_plan.buffer_bytes[key]
-                    self._reserve(key.location, size, f"{key} (shared by blob '{blob.name}' "
-                                  "and others)")
+                    self.store.reserve(key.location, size, f"{key} (shared by blob "
+                                       f"'{blob.name}' and others)")
                     buf = self._buffers[key] = allocate(key.location, (size,), "uint8")
                 a = buf[:blob_nbytes(blob)].view(blob.dtype).reshape(blob.shape)
             self.arrays[blob] = a
+        # A buffer grown for this blob held no other view of this graph's: ours stay good.
+        self._generation = self.store.generation
         return a
 
-    def _reserve(self, location: Location, need: int, what: str) -> None:
-        """Refuse an allocation that cannot fit beside what this dispatcher holds in the
-        same memory space, before making it (numpy's zeros would reserve terabytes of
-        virtual memory and leave the failure to the first touch); then count it held."""
-        space = location.memory
-        check_capacity(location, need, self._held.get(space, 0), what)
-        self._held[space] = self._held.get(space, 0) + need
-
     def _forget(self, blob: Blob) -> None:
-        """Drop ``blob``'s array; what the dispatcher allocated for it is no longer held."""
-        a = self.arrays.pop(blob, None)
-        if a is not None and blob not in self._storage and blob not in self.external:
-            self._held[blob.location.memory] -= blob_nbytes(blob)
+        """Drop ``blob``'s view and the ops' arguments that hold it."""
+        self.arrays.pop(blob, None)
+        self._bound = {o: a for o, a in self._bound.items()
+                       if blob not in o.inputs and blob not in o.outputs}
 
     def set_memory_plan(self, plan: MemoryPlan | None) -> None:
         """Let the blobs of ``plan`` (purine.runtime.memory) share buffers; None: every blob
@@ -191,13 +194,19 @@ class Dispatcher:
         if bound:
             raise PurineError(f"blobs bound to outside storage cannot share buffers: "
                               f"{', '.join(bound)}")
+        in_step = self._generation == self.store.generation
+        for b in storage:  # their own buffers are no longer needed
+            if b not in self._storage:
+                self.store.release(b.name)
+        for k in self._buffers:
+            self.store.unreserve(k.location, self.memory_plan.buffer_bytes[k])
         touched = set(storage) | set(self._storage)
         for b in touched:
-            self._forget(b)
-        for k in self._buffers:
-            self._held[k.location.memory] -= self.memory_plan.buffer_bytes[k]
+            self.arrays.pop(b, None)
         self._bound = {o: a for o, a in self._bound.items()
                        if touched.isdisjoint(o.inputs) and touched.isdisjoint(o.outputs)}
+        if in_step:
+            self._generation = self.store.generation
         self.memory_plan, self._storage, self._buffers = plan, storage, {}
         self._plans.clear()
 
@@ -209,9 +218,22 @@ class Dispatcher:
         if blob in self._storage:
             raise PurineError(f"cannot bind blob '{blob.name}': the memory plan shares its "
                               "buffer with other blobs")
-        self.release(blob)
+        in_step = self._generation == self.store.generation
+        self.store.bind(blob.name, array)
+        self._forget(blob)
         self.arrays[blob] = array
         self.external.add(blob)
+        if in_step:  # only this blob's buffer went: the other views stay good
+            self._generation = self.store.generation
+
+    def release(self, blob: Blob) -> None:
+        """Forget a blob's storage (e.g. after its shape changed); re-allocated on use."""
+        in_step = self._generation == self.store.generation
+        self.store.release(blob.name)
+        self._forget(blob)
+        self.external.discard(blob)
+        if in_step:
+            self._generation = self.store.generation
 
     def _args(self, op: Op) -> tuple[list[Any], list[Any]]:
         args = self._bound.get(op)
@@ -219,13 +241,6 @@ class Dispatcher:
             args = ([self.array(b) for b in op.inputs], [self.array(b) for b in op.outputs])
             self._bound[op] = args
         return args
-
-    def release(self, blob: Blob) -> None:
-        """Forget a blob's storage (e.g. after its shape changed); re-allocated on use."""
-        self._forget(blob)
-        self.external.discard(blob)
-        self._bound = {o: a for o, a in self._bound.items()
-                       if blob not in o.inputs and blob not in o.outputs}
 
     # -- running ----------------------------------------------------------------------
     def _execute(self, op: Op, plan: _Plan) -> None:
@@ -256,13 +271,13 @@ class Dispatcher:
         if self.transport is None:
             raise PurineError(f"op '{op.name}' copies between hosts (MPI ranks) and this "
                               "dispatcher has no transport")
-        if not self._tags:
-            self._tags = {o: i for i, o in enumerate(self.graph.ops)}
+        if not self._tags:  # by name: a net's builds for other shapes name their ops alike
+            self._tags = {o.name: i for i, o in enumerate(self.graph.ops)}
         x, y = op.inputs[0], op.outputs[0]
         if x.location.host == self.host:
-            self.transport.send(self.array(x), y.location.host, self._tags[op])
+            self.transport.send(self.array(x), y.location.host, self._tags[op.name])
         else:
-            self.transport.receive(self.array(y), x.location.host, self._tags[op])
+            self.transport.receive(self.array(y), x.location.host, self._tags[op.name])
 
     def _plan(self, ops: Sequence[Op] | None) -> _Plan:
         key = tuple(self.graph.ops if ops is None else ops)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from purine.backend import allocate
 from purine.backend.memory import capacity, show_bytes
 from purine.errors import PurineError
 from purine.graph import Blob, Graph, Location, Op
@@ -115,3 +117,59 @@ def plan_memory(graph: Graph, ops: Sequence[Op] | None, keep: Iterable[Blob],
         plan.storage[b] = buf
         live.append((end, buf))
     return plan
+
+
+class Store:
+    """Blob storage by blob name, shared by the dispatchers of one net's builds (a build per
+    set of shapes): the blobs of one name, whatever their shapes, are views of one buffer,
+    which grows when a blob outgrows it and never shrinks (Caffe's Blob::Reshape keeps its
+    capacity), so a net cycling through a few sizes stops allocating after the first cycle.
+    A buffer that grows is a new one: ``generation`` counts the growths, and a dispatcher
+    that holds views of an older generation drops them. Arrays bound from outside (a
+    parameter another net owns) are kept as given."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, tuple[Any, Location]] = {}  # name -> flat uint8 buffer
+        self.external: dict[str, Any] = {}  # name -> an array bound from outside
+        self.held: dict[tuple, int] = {}  # bytes allocated here, by memory space
+        self.generation = 0
+
+    def reserve(self, location: Location, need: int, what: str) -> None:
+        """Refuse an allocation that cannot fit beside what this store holds in the same
+        memory space, before making it (numpy's zeros would reserve terabytes of virtual
+        memory and leave the failure to the first touch); then count it held."""
+        space = location.memory
+        check_capacity(location, need, self.held.get(space, 0), what)
+        self.held[space] = self.held.get(space, 0) + need
+
+    def unreserve(self, location: Location, size: int) -> None:
+        self.held[location.memory] -= size
+
+    def view(self, blob: Blob) -> Any:
+        """``blob``'s array: a view of its name's buffer, grown first where too small."""
+        bound = self.external.get(blob.name)
+        if bound is not None:
+            if tuple(bound.shape) != blob.shape:
+                raise PurineError(f"blob '{blob.name}' {blob.shape} is bound to an array of "
+                                  f"shape {tuple(bound.shape)}, which cannot change shape")
+            return bound
+        need = blob_nbytes(blob)
+        buf, _ = self.buffers.get(blob.name, (None, None))
+        if buf is None or buf.nbytes < need:
+            self.release(blob.name)
+            self.reserve(blob.location, need, f"blob '{blob.name}' {blob.shape} {blob.dtype}")
+            buf = allocate(blob.location, (need,), "uint8")
+            self.buffers[blob.name] = (buf, blob.location)
+        return buf[:need].view(blob.dtype).reshape(blob.shape)
+
+    def bind(self, name: str, array: Any) -> None:
+        self.release(name)
+        self.external[name] = array
+
+    def release(self, name: str) -> None:
+        """Forget a name's storage (made anew, zero, on the next use)."""
+        self.external.pop(name, None)
+        buf, location = self.buffers.pop(name, (None, None))
+        if buf is not None:
+            self.unreserve(location, buf.nbytes)
+            self.generation += 1

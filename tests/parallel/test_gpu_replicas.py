@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import purine.runtime.dispatcher as dispatcher_module
+import purine.runtime.memory as memory_module
 from purine.caffe.solver import Solver
 from purine.formats import caffe_pb2 as pb
 from purine.formats.prototxt import parse_text
@@ -21,6 +22,8 @@ def host_memory(monkeypatch):
     import numpy as np
 
     monkeypatch.setattr(dispatcher_module, "allocate",
+                        lambda loc, shape, dtype: np.zeros(shape, dtype))
+    monkeypatch.setattr(memory_module, "allocate",
                         lambda loc, shape, dtype: np.zeros(shape, dtype))
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import purine.runtime.dispatcher as dispatcher_module
+import purine.runtime.memory as memory_module
 from purine.graph import Graph, Location
 from purine.runtime.dispatcher import Dispatcher, _Plan
 
@@ -107,6 +108,8 @@ def fake(monkeypatch):
     for name in ("activate", "record", "wait", "stream"):
         monkeypatch.setattr(dispatcher_module, name, getattr(f, name))
     monkeypatch.setattr(dispatcher_module, "allocate",
+                        lambda loc, shape, dtype: np.zeros(shape, dtype))
+    monkeypatch.setattr(memory_module, "allocate",
                         lambda loc, shape, dtype: np.zeros(shape, dtype))
     return f
 
