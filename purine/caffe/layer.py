@@ -71,8 +71,13 @@ class NetServices(Protocol):
     data: dict[str, Blob]  # Caffe blob name -> its data blob
     initial: dict[Blob, np.ndarray]  # parameter blob -> its filled value
     stateful: dict[str, Stateful]  # run-time state snapshots must keep
+    shared: dict[str, Any]  # other run-time objects every build of the net uses
     layers: list[LayerBuild]
-    previous: NetServices | None  # the build this one replaces (a reshape), if any
+    # The net's first build, when this one is another build of the same net for other
+    # shapes: layers take over its run-time objects (data cursors, random streams, Python
+    # layers' objects) and parameters, whose shapes must not change.
+    base: NetServices | None
+    decided: dict[int, tuple[tuple[int, ...], ...]]  # layer index -> tops a pass settled
 
     def add_param(self, layer: str, k: int, shape: tuple[int, ...], spec: pb.ParamSpec,
                   filler: pb.FillerParameter | None, lr_mult: float | None,
@@ -102,6 +107,22 @@ def register(*types: str) -> Callable[[Builder], Builder]:
         return fn
 
     return deco
+
+
+class Settler(Protocol):
+    """A layer whose top shapes are settled by each pass, right before its forward op runs
+    (Caffe calls every layer's Reshape there; for most layers the shapes follow from the
+    bottoms' and the net's graph for them is made once, but a Python layer's ``reshape``
+    or Filter's selector decide them from what the pass computed).
+
+    ``before(bottoms)`` gets the bottoms' arrays and returns the top shapes; ``after()``,
+    once the forward op has run, returns the top shapes and arrays where the forward op
+    gave its tops other shapes (a Python layer may reshape a top in ``forward``), else
+    None."""
+
+    def before(self, bottoms: list[Any]) -> tuple[tuple[int, ...], ...]: ...
+
+    def after(self) -> tuple[tuple[tuple[int, ...], ...], list[Any]] | None: ...
 
 
 class LayerBuild:
@@ -145,6 +166,8 @@ class LayerBuild:
         self.param_need: list[bool] = []
         self._saved: dict[int, Blob] = {}
         self.save_ops: list[Op] = []  # dropped again when no backward pass needs them
+        self.settler: Settler | None = None  # set by layers whose top shapes a pass settles
+        self._streams = 0
 
     def _local(self, i: int, b: Blob) -> Blob:
         if b.location.memory == self.location.memory:
@@ -271,6 +294,30 @@ class LayerBuild:
         return self.net.graph.blob(f"{self.name}@{suffix}", shape, dtype or self.net.dtype,
                                    self.location)
 
+    def settles(self, settler: Settler) -> None:
+        """Declare that a pass settles this layer's top shapes right before its forward op
+        (see Settler); the net then builds its graph for the shapes the pass found."""
+        self.settler = settler
+
+    def decided(self) -> tuple[tuple[int, ...], ...] | None:
+        """The top shapes a pass settled for this layer, when the net builds its graph for
+        them (None at the net's first build, where the layer's set-up decides them)."""
+        return self.net.decided.get(self.index)
+
+    def kept(self, key: str) -> Any | None:
+        """The run-time object this layer registered under ``key`` in the net's first build,
+        when this is another build of the same net (None otherwise): a data cursor or a
+        user's object goes on across builds instead of being made again."""
+        if self.net.base is None:
+            return None
+        key = f"{self.name}/{key}"
+        return self.net.stateful.get(key, self.net.shared.get(key))
+
+    def share(self, key: str, obj: Any) -> None:
+        """Register a run-time object that is no snapshot state (a user's Python layer, an
+        output file) for the net's other builds to take over (``kept``)."""
+        self.net.shared.setdefault(f"{self.name}/{key}", obj)
+
     def rng(self, key: int = 0) -> np.random.Generator:
         """A generator for one of this layer's one-off draws (the filler of parameter
         ``key``), seeded from the net seed, the layer index and ``key``."""
@@ -279,7 +326,10 @@ class LayerBuild:
     def random_stream(self) -> RandomStream:
         """A stream for an op that draws at every run (Dropout, DummyData); the net keeps
         it so that a snapshot can save how far it has gone."""
-        n = sum(1 for k in self.net.stateful if k.startswith(self.name + "/random#"))
+        n, self._streams = self._streams, self._streams + 1
+        kept = self.kept(f"random#{n}")
+        if kept is not None:
+            return kept
         s = RandomStream(self.net.seed, 1_000_003 * (self.index + 1) + n)
         self.keep_state(f"random#{n}", s)
         return s
@@ -287,8 +337,8 @@ class LayerBuild:
     def keep_state(self, key: str, obj: Stateful) -> None:
         """Register run-time state a resumed run must continue from (a random stream, a
         data cursor): the solver saves ``obj.state()`` in its snapshots and hands it back
-        to ``obj.restore``."""
-        self.net.stateful[f"{self.name}/{key}"] = obj
+        to ``obj.restore``. In another build of the net the first build's object stays."""
+        self.net.stateful.setdefault(f"{self.name}/{key}", obj)
 
     # -- ops --------------------------------------------------------------------------
     def forward(self, fn: Callable[..., None], inputs: Sequence[Blob], outputs: Sequence[Blob],

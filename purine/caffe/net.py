@@ -24,7 +24,7 @@ from purine.graph import CPU, Blob, Graph, Location, Op, Stateful, kernel
 from purine.log import get_logger
 from purine.ops import tensor
 from purine.runtime import Dispatcher
-from purine.runtime.memory import blob_nbytes, check_capacity
+from purine.runtime.memory import Store, blob_nbytes, check_capacity
 
 TRAIN, TEST = pb.TRAIN, pb.TEST
 _PHASES = {"TRAIN": TRAIN, "TEST": TEST, TRAIN: TRAIN, TEST: TEST}
@@ -68,12 +68,21 @@ class NetBuilder:
                  dtype: str = "float32", replica: tuple[int, int] = (0, 1),
                  placement: dict[str, Location] | None = None,
                  replica_of: dict[str, str] | None = None,
-                 previous: NetBuilder | None = None):
+                 base: NetBuilder | None = None,
+                 decided: dict[int, tuple[tuple[int, ...], ...]] | None = None,
+                 upto: int | None = None):
         self.phase = phase
-        # The build this one replaces (a reshape): layers holding a user's object (Python
-        # layers) take it over instead of setting up a new one, as Caffe's Net::Reshape
-        # keeps its layers. The Net drops the reference once the build is done.
-        self.previous = previous
+        # Another build of the net whose first build is ``base``, for other shapes: layers
+        # take over base's run-time objects (data cursors, random streams, the objects of
+        # Python layers), as Caffe's Net::Reshape keeps its layers, and its parameters (of
+        # the same shapes; nothing is filled again). ``decided``: the top shapes a pass
+        # settled for the layers that settle theirs (layer index -> shapes). ``upto``: build
+        # the layers before that index only (the part of a pass up to a layer whose shapes
+        # the pass has still to settle), with no backward pass.
+        self.base = base
+        self.decided = dict(decided or {})
+        self.upto = upto
+        self.full = upto is None
         self.placement = dict(placement or {})  # layer name -> where its ops and blobs go
         # layer name -> the layer it is a data-parallel copy of (a layer maps to itself
         # when it has copies): all of them use the one layer's parameter blobs
@@ -100,13 +109,25 @@ class NetBuilder:
         self._param_uses: dict[Blob, list[tuple[str, int]]] = {}
         self._use_diffs: dict[tuple[str, int], Blob] = {}
         self._n_ops = 0
-        self.stateful: dict[str, Stateful] = {}  # run-time state snapshots must keep
+        # run-time state snapshots must keep, and other run-time objects: one set per net
+        self.stateful: dict[str, Stateful] = base.stateful if base else {}
+        self.shared: dict[str, Any] = base.shared if base else {}
         # A blob's array, once a dispatcher runs this graph (the Net sets it): stateful
         # objects whose state lives in blobs (a recurrent layer's carried state) read it here.
         self.storage: Callable[[Blob], Any] | None = None
+        # Set by the Net that runs this build: its dispatcher, the shapes it was built for
+        # (the input shapes asked, then each settling layer's tops), its op lists
+        self.dispatcher: Dispatcher | None = None
+        self.prefix: tuple = ()
+        self.forward_all: list[Op] = []
+        self.backward_all: list[Op] = []
+        self.segments: dict[tuple[int, int], list[Op]] = {}
+        self.by_name: dict[str, LayerBuild] | None = None
 
         # Replicas of a data-parallel net print nothing, as Caffe's non-root solvers.
         self.debug = DebugInfo(True) if param.debug_info and replica[0] == 0 else None
+        if base is not None:
+            self.debug = base.debug  # one switch for all builds
         state = pb.NetState()
         state.CopyFrom(param.state)
         state.phase, state.level = phase, level
@@ -116,7 +137,8 @@ class NetBuilder:
         try:
             self._build()
         except BaseException:
-            close_all(self.stateful.values())  # the data layers built so far
+            if base is None:
+                close_all(self.stateful.values())  # the data layers built so far
             raise
 
     # -- services for LayerBuild (plain values in, never the LayerBuild) ----------------
@@ -167,6 +189,12 @@ class NetBuilder:
                     b.meta[field_], b.meta[field_ + "_set"] = mine, True
             self._param_uses[b].append((layer, k))
             return b
+        if self.base is not None:  # another build: the first build's parameter
+            first = self.base.graph.blobs.get(f"{layer}[{k}]")
+            if first is not None and first.shape != shape:
+                raise PurineError(f"parameter {k} would change shape from {first.shape} to "
+                                  f"{shape} with these bottom shapes; parameters keep their "
+                                  "shapes when a net is reshaped (as in Caffe)")
         b = self.graph.blob(f"{layer}[{k}]", shape, self.dtype, location,
                             lr_mult=mult, decay_mult=spec.decay_mult, layer=layer,
                             index=k, share_name=spec.name,
@@ -175,6 +203,8 @@ class NetBuilder:
         if spec.name:
             self._shared[spec.name] = (layer, b)
         self._param_uses[b] = [(layer, k)]
+        if self.base is not None:
+            return b
         space, need = location.memory, blob_nbytes(b)
         check_capacity(location, need, self._param_bytes.get(space, 0),
                        f"parameter {k} {shape} {b.dtype}")
@@ -228,6 +258,8 @@ class NetBuilder:
         backwards = []
         names: set[str] = set()
         for i, lp in enumerate(self.param.layer):
+            if self.upto is not None and i >= self.upto:
+                break
             builder = BUILDERS.get(lp.type)
             if builder is None:
                 raise LayerError(lp.name, lp.type, "unknown layer type; known types: "
@@ -261,6 +293,9 @@ class NetBuilder:
                 if t not in self.blob_names:
                     self.blob_names.append(t)
             self.layers.append(L)
+        if not self.full:
+            self.graph.validate()
+            return
         self._need_backward()
         for L in self.layers:
             for j, w in enumerate(L.loss_weights):
@@ -383,22 +418,37 @@ class NetBuilder:
 
 
 class BlobView(LegacyAxes):
-    """``net.blobs[name]``: a Caffe blob's data and diff as numpy arrays."""
+    """``net.blobs[name]``, or parameter ``k`` of ``layer`` in ``net.params``: a Caffe blob's
+    data and diff as arrays, in the net's build for the shapes of its last pass."""
 
-    def __init__(self, net: Net, name: str, data: Blob, diff: Blob | None):
-        self._net, self.name, self._data, self._diff = net, name, data, diff
+    def __init__(self, net: Net, name: str, layer: str | None = None, k: int = 0):
+        self._net, self.name, self._layer, self._k = net, name, layer, k
+
+    def _where(self) -> tuple[NetBuilder, Blob]:
+        """The build and graph blob behind this view: the net's current build's, or for a
+        blob past where the last pass stopped, the latest build's that has it."""
+        if self._layer is None:
+            b = self._net._build_of(self.name)
+            return b, b.data[self.name]
+        return self._net._param(self._layer, self._k)
+
+    @property
+    def _data(self) -> Blob:
+        return self._where()[1]
 
     def _staged(self, diff: bool = False) -> np.ndarray | None:
-        """The array standing for this input blob between a reshape and the rebuild."""
-        net = self._net
-        if net.builder.data.get(self.name) is not self._data:
-            return None  # a parameter's view, or one kept from an earlier build
-        return (net._staged_diffs if diff else net._staged).get(self.name)
+        """The array standing for this input blob between a reshape and the next pass."""
+        if self._layer is not None:
+            return None
+        return (self._net._staged_diffs if diff else self._net._staged).get(self.name)
 
     @property
     def data(self) -> np.ndarray:
         staged = self._staged()
-        return self._net.dispatcher.array(self._data) if staged is None else staged
+        if staged is not None:
+            return staged
+        b, blob = self._where()
+        return b.dispatcher.array(blob)
 
     @property
     def diff(self) -> np.ndarray:
@@ -406,9 +456,9 @@ class BlobView(LegacyAxes):
             if self._staged(diff=True) is None:
                 self._net._staged_diffs[self.name] = np.zeros_like(self._staged())
             return self._staged(diff=True)
-        if self._diff is None:
-            self._diff = self._net.builder.diff(self.name)
-        return self._net.dispatcher.array(self._diff)
+        b, blob = self._where()
+        d = b.diff(self.name) if self._layer is None else b.param_grad(blob)
+        return b.dispatcher.array(d)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -422,18 +472,32 @@ class BlobView(LegacyAxes):
     def reshape(self, *shape: int) -> None:
         """Caffe's Blob::Reshape of an input blob: the blob has the new shape at once (its
         ``data`` a zero array of it, to be filled), the layers after it from the next
-        ``forward`` (or ``net.reshape()``), which rebuilds the graph keeping the weights."""
+        ``forward`` (or ``net.reshape()``), which runs the net's build for the new shapes."""
         if len(shape) == 1 and isinstance(shape[0], tuple | list):
             shape = tuple(shape[0])
-        self._net._reshape_input(self.name, self._data, tuple(int(d) for d in shape))
+        self._net._reshape_input(self.name, tuple(int(d) for d in shape))
 
     def __repr__(self) -> str:
         return f"<Blob {self.name} {self.shape}>"
 
 
+MAX_BUILDS = 16
+"""How many builds (one per set of shapes) a net keeps besides its first; the least recently
+used goes when a new one is made (their storage is shared, so a build costs graph objects)."""
+
+
 class Net:
     """pycaffe's Net over a bi-graph: ``Net(model, weights=None, phase=TEST)``;
-    ``Net(model, phase)`` and ``Net(model, weights, phase)`` as in pycaffe."""
+    ``Net(model, phase)`` and ``Net(model, weights, phase)`` as in pycaffe.
+
+    Caffe settles every layer's shapes right before its forward, at every pass. Here a graph
+    is built for one set of shapes (a *build*), and a pass settles shapes where they can
+    change: the input blobs' shapes before it, and the layers that settle theirs (a Python
+    layer's ``reshape``, Filter's selector) right before their forward ops. Where shapes
+    differ from the current build's, the pass goes on in the build for them (made on first
+    need, kept after). Builds share their parameters, run-time objects and storage (by
+    blob name, grow-only), so switching costs no copy and a net cycling through a few sizes
+    stops allocating after the first cycle."""
 
     def __init__(self, model: str | os.PathLike | pb.NetParameter, *args: Any,
                  weights: str | None = None, phase: int | str | None = None,
@@ -460,53 +524,209 @@ class Net:
         self.host = host
         self.location = location  # where the layers run (Python layers stay on the host)
         self._input_shapes: dict[str, tuple[int, ...]] = {}  # requested by blob reshapes
-        # Input blobs reshaped since the last build: host arrays of their new shapes, which
-        # ``blobs[name].data`` gives until the rebuild copies them into the graph's blobs.
+        # Input blobs reshaped since the last pass: host arrays of their new shapes, which
+        # ``blobs[name].data`` gives until the next pass copies them into the graph's blobs.
         self._staged: dict[str, np.ndarray] = {}
         self._staged_diffs: dict[str, np.ndarray] = {}
-        self._shared_with: Net | None = None
-        # A solver's train net: the solver rebuilds it (``reshape``), its update ops with it.
-        self.rebuilder: Callable[[], None] | None = None
+        self._store = Store()  # every build's blobs, by name
+        self._builds: OrderedDict[tuple, NetBuilder] = OrderedDict()  # by shapes, LRU last
+        # A solver's train net: the solver adds its ops (the update) to each new build.
+        self.extend: Callable[[NetBuilder], None] | None = None
+        # Why this net's graph cannot be built again for other shapes (a solver's scheme
+        # wove replicas into it), or None
+        self.frozen: str | None = None
         self.closed = False
         self._build()
         if weights is not None:
             self.copy_from(weights)
 
-    def _build(self, previous: NetBuilder | None = None) -> None:
+    def _make(self, decided: dict[int, tuple], upto: int | None) -> NetBuilder:
+        """A build of the net at the requested input shapes and the ``decided`` top shapes
+        (the first build when there is none yet), with its dispatcher over the net's store."""
+        first = self._builds.get(self._first_key) if self._builds else None
         b = NetBuilder(self.model, self.phase, level=self._level, stages=self._stages,
-                       seed=self._seed, threads=self._threads, input_shapes=self._input_shapes,
-                       dtype=self._dtype, replica=self._replica, placement=self._placement,
-                       replica_of=self._replica_of,
-                       location=self.location, previous=previous)
-        b.previous = None  # the old build may go
-        self.builder, self.graph = b, b.graph
-        self.dispatcher = Dispatcher(self.graph, host=self.host)
-        b.storage = self.dispatcher.array
+                       seed=self._seed, threads=self._threads,
+                       input_shapes=self._input_shapes, dtype=self._dtype,
+                       replica=self._replica, placement=self._placement,
+                       replica_of=self._replica_of, location=self.location,
+                       base=first, decided=decided, upto=upto)
+        b.dispatcher = Dispatcher(b.graph, host=self.host, store=self._store,
+                                  profile=getattr(self, "_profiling", False))
+        b.dispatcher.transport = self.dispatcher.transport if first is not None else None
+        b.storage = b.dispatcher.array
+        b.prefix = (self._inputs_key(),) + tuple(
+            tuple(tuple(t.shape) for t in L.tops) for L in b.layers if L.settler is not None)
+        b.forward_all = [op for L in b.layers for op in L.forward_ops]
+        b.backward_all = b.seed_ops + [op for L in reversed(b.layers)
+                                       for op in L.backward_ops]
+        b.segments = {}
+        if first is not None and b.full and self.extend is not None:
+            self.extend(b)
+        return b
+
+    def _build(self) -> None:
+        self._first_key: tuple = ()
+        b = self._make({}, None)
+        self._first_key = b.prefix
+        self._first_inputs = {t: b.data[t].shape for L in b.layers if L.type == "Input"
+                              for t in L.param.top}
+        self._settlers = {L.index: L.settler for L in b.layers if L.settler is not None}
+        self._cuts = sorted(self._settlers)
         for blob in list(b.initial):  # the filled values go in, and need not stay twice
             value = b.initial.pop(blob)
             if self.host is None or blob.location.host == self.host:
-                assign(self.dispatcher.array(blob), value)
+                assign(b.dispatcher.array(blob), value)
+        self._builds[b.prefix] = b
+        self._use(b)
         self.layer_names = [L.param.name for L in b.layers]
         self.layer_types = [L.type for L in b.layers]
         self.blobs: OrderedDict[str, BlobView] = OrderedDict(
-            (n, BlobView(self, n, b.data[n], b._diffs.get(n))) for n in b.blob_names)
+            (n, BlobView(self, n)) for n in b.blob_names)
         self.params: OrderedDict[str, list[BlobView]] = OrderedDict()
         for L in b.layers:
             if L.params:
                 # A parameter shared from another memory space shows its home blob, which
                 # the solver updates and snapshots write (the layer reads a mirror of it).
                 homes = [L.param_homes.get(k, p) for k, p in enumerate(L.params)]
-                self.params[L.name] = [BlobView(self, h.name, h, b.param_grad(h))
-                                       for h in homes]
-        self.inputs = [t for L in b.layers if L.type == "Input" for t in L.param.top]
+                self.params[L.name] = [BlobView(self, h.name, L.name, k)
+                                       for k, h in enumerate(homes)]
+        self.inputs = list(self._first_inputs)
         available: set[str] = set()  # Caffe's rule: what no later layer consumed,
         for L in b.layers:             # in name order (Caffe keeps them in a std::set)
             available.difference_update(L.param.bottom)
             available.update(L.param.top)
         self.outputs = sorted(available)
-        self._forward_ops = [op for L in b.layers for op in L.forward_ops]
-        self._backward_ops = b.seed_ops + [op for L in reversed(b.layers)
-                                           for op in L.backward_ops]
+
+    # -- builds ------------------------------------------------------------------------
+    def _inputs_key(self) -> tuple:
+        first = getattr(self, "_first_inputs", {})
+        return tuple(sorted((n, s) for n, s in self._input_shapes.items()
+                            if s != first.get(n)))
+
+    def _use(self, b: NetBuilder) -> None:
+        self._builds.move_to_end(b.prefix)
+        self.builder, self.graph, self.dispatcher = b, b.graph, b.dispatcher
+        self._forward_ops, self._backward_ops = b.forward_all, b.backward_all
+
+    def profile(self, on: bool) -> list:
+        """Switch the dispatchers' profiler on or off (every build's, and those made while
+        it is on); off returns the events they recorded, in time order."""
+        self._profiling = on
+        events = []
+        for b in self._builds.values():
+            b.dispatcher.profile = on
+            events += b.dispatcher.trace
+            b.dispatcher.trace = []
+        return sorted(events, key=lambda e: e.start)
+
+    def builds(self) -> list[NetBuilder]:
+        """The builds this net holds, the least recently used first."""
+        return list(self._builds.values())
+
+    def _blob(self, name: str) -> Blob:
+        """Caffe blob ``name`` in the current build, or in the latest that has it (a pass
+        that stopped short of the layer making it)."""
+        return self._build_of(name).data[name]
+
+    def _build_of(self, name: str) -> NetBuilder:
+        if name in self.builder.data:
+            return self.builder
+        for b in reversed(self._builds.values()):
+            if name in b.data:
+                return b
+        raise PurineError(f"net '{self.model.name}' has no blob '{name}'")
+
+    def _param(self, layer: str, k: int) -> tuple[NetBuilder, Blob]:
+        """Parameter ``k`` of ``layer`` in the current build (or the first, where the
+        current stops short of the layer): its home blob, where the layer reads a mirror."""
+        b = self.builder if self.builder.full else self._builds[self._first_key]
+        if b.by_name is None:
+            b.by_name = {L.name: L for L in b.layers}
+        L = b.by_name[layer]
+        return b, L.param_homes.get(k, L.params[k])
+
+    def _settle(self, k: int, shapes: tuple, what: str = "") -> None:
+        """Settle the shapes of cut ``k`` (the k-th layer that settles its tops; -1: the
+        input blobs) for this pass: go on in the build for them, made if there is none."""
+        cur = self.builder
+        prefix = cur.prefix[:k + 1] + (shapes,)
+        if cur.prefix[:k + 2] == prefix:
+            return
+        found = next((b for b in reversed(self._builds.values())
+                      if b.prefix[:k + 2] == prefix), None)
+        if self.frozen is not None and found is not self._builds[self._first_key]:
+            raise PurineError(f"{self.frozen}; {what}: give the shapes in the net's prototxt")
+        if found is None:
+            decided = {self._cuts[j]: prefix[j + 1] for j in range(k + 1)}
+            upto = self._cuts[k + 1] if k + 1 < len(self._cuts) else None
+            found = self._make(decided, upto)
+            self._builds[found.prefix] = found
+            while len(self._builds) > MAX_BUILDS + 1:
+                old = next(b for b in self._builds.values()
+                           if b.prefix != self._first_key)
+                del self._builds[old.prefix]
+                old.dispatcher.close()
+        self._use(found)
+
+    def _ops(self, a: int, z: int) -> list[Op]:
+        """The forward ops of layers [a, z) of the current build."""
+        b = self.builder
+        if a == 0 and z >= len(b.layers):
+            return b.forward_all
+        ops = b.segments.get((a, z))
+        if ops is None:
+            ops = b.segments[(a, z)] = [op for L in b.layers[a:z] for op in L.forward_ops]
+        return ops
+
+    def _pass(self, lo: int, hi: int, tail: Callable[[], list[Op]] | None = None) -> None:
+        """Caffe's forward over layers ``lo``..``hi``, then ``tail()``'s ops (a backward
+        pass, an update) in the same dispatcher run. A layer that settles its shapes is
+        settled right before its forward op, on what the pass computed so far; the ops
+        between two such layers run together, in the build for the shapes settled."""
+        start = lo
+        for k, c in enumerate(self._cuts):
+            if not lo <= c <= hi:
+                continue
+            if start < c:
+                self.dispatcher.run(self._ops(start, c))
+            settler = self._settlers[c]
+            layer = self.layer_names[c]
+            bottoms = [self.dispatcher.array(self.builder.data[n])
+                       for n in self.builder.param.layer[c].bottom]
+            shapes = settler.before(bottoms)
+            self._settle(k, shapes, f"layer '{layer}' gives its tops the shapes "
+                         f"{_show(shapes)}")
+            start = c
+            after = getattr(settler, "after", None)
+            if after is not None:  # the layer's forward may give its tops other shapes
+                self.dispatcher.run(self._ops(c, c + 1))
+                start = c + 1
+                moved = after()
+                if moved is not None and moved[0] != shapes:
+                    self._settle(k, moved[0], f"layer '{layer}' gives its tops the shapes "
+                                 f"{_show(moved[0])} in forward")
+                    for t, a in zip(self.builder.layers[c].tops, moved[1]):
+                        assign(self.dispatcher.array(t), a)
+        ops = self._ops(start, hi + 1)
+        if tail is not None:
+            ops = ops + tail()
+        if ops:
+            self.dispatcher.run(ops)
+
+    def _full(self) -> NetBuilder:
+        """The current build, which a backward pass needs whole: a forward that stopped
+        short of a layer still to settle its shapes leaves a build of the part before it."""
+        if not self.builder.full:
+            prefix = self.builder.prefix
+            found = next((b for b in reversed(self._builds.values())
+                          if b.full and b.prefix[:len(prefix)] == prefix), None)
+            if found is None:
+                layer = self.layer_names[self.builder.upto]
+                raise PurineError(f"net '{self.model.name}': the last forward pass stopped "
+                                  f"before layer '{layer}', which settles its top shapes "
+                                  "when it runs; run forward through it first")
+            self._use(found)
+        return self.builder
 
     # -- releasing ---------------------------------------------------------------------
     def close(self) -> None:
@@ -516,7 +736,8 @@ class Net:
         error. ``with Net(...) as net:`` closes on leaving the block."""
         if not self.closed:
             self.closed = True
-            self.dispatcher.close()  # its worker threads, when it runs ops on several
+            for b in self._builds.values():
+                b.dispatcher.close()  # their worker threads, when they run ops on several
             close_all(self.builder.stateful.values())
 
     def __enter__(self) -> Net:
@@ -531,14 +752,12 @@ class Net:
                               "released; build a new net to run it again")
 
     # -- running -----------------------------------------------------------------------
-    def _layer_range(self, start: str | None, end: str | None) -> list[LayerBuild]:
-        names = self.layer_names
-        for n in (start, end):
-            if n is not None and n not in names:
-                raise PurineError(f"no layer named '{n}' in net '{self.model.name}'")
-        i = names.index(start) if start else 0
-        j = names.index(end) if end else len(names) - 1
-        return self.builder.layers[i: j + 1]
+    def _layer_index(self, name: str | None, default: int) -> int:
+        if name is None:
+            return default
+        if name not in self.layer_names:
+            raise PurineError(f"no layer named '{name}' in net '{self.model.name}'")
+        return self.layer_names.index(name)
 
     def forward(self, blobs: Sequence[str] | None = None, start: str | None = None,
                 end: str | None = None, **inputs: np.ndarray) -> dict[str, np.ndarray]:
@@ -556,29 +775,34 @@ class Net:
                                   f"the input has {tuple(value.shape)}")
             assign(view.data, value)
         self.reshape_if_needed()
-        if start is None and end is None:
-            ops = self._forward_ops
-        else:
-            ops = [op for L in self._layer_range(start, end) for op in L.forward_ops]
-        self.dispatcher.run(ops)
+        lo = self._layer_index(start, 0)
+        hi = self._layer_index(end, len(self.layer_names) - 1)
+        self._pass(lo, hi)
         names = list(self.outputs) + [b for b in (blobs or []) if b not in self.outputs]
         if end is not None:
-            names = list(self._layer_range(end, end)[0].param.top) + list(blobs or [])
+            names = list(self.model_layer(hi).top) + list(blobs or [])
         return {n: self.blobs[n].data for n in names}
+
+    def model_layer(self, i: int) -> pb.LayerParameter:
+        """Layer ``i``'s parameter message, as the net was built (phase rules applied)."""
+        return self._builds[self._first_key].layers[i].param
 
     def backward(self, diffs: Sequence[str] | None = None, start: str | None = None,
                  end: str | None = None, **top_diffs: np.ndarray) -> dict[str, np.ndarray]:
         """Run the backward ops; returns the input blobs' diffs (and ``diffs``) by name."""
         self._check_open()
+        b = self._full()
         given = set()
         for name, value in top_diffs.items():
             assign(self.blobs[name].diff, value)
-            given.add(self.builder.diff(name))
+            given.add(b.diff(name))
         # The loss tops' diffs start as their loss weights, unless the caller gave them.
-        ops = [op for op in self.builder.seed_ops if op.outputs[0] not in given]
-        layers = self.builder.layers
+        ops = [op for op in b.seed_ops if op.outputs[0] not in given]
+        layers = b.layers
         if start is not None or end is not None:
-            layers = self._layer_range(end, start)
+            i = self._layer_index(end, 0)
+            j = self._layer_index(start, len(layers) - 1)
+            layers = layers[i: j + 1]
         ops += [op for L in reversed(layers) for op in L.backward_ops]
         self.dispatcher.run(ops)
         names = list(self.inputs) + list(diffs or [])
@@ -598,86 +822,69 @@ class Net:
         return float(sum(w * float(self.dispatcher.array(b).sum())
                          for b, w in self.builder.loss_tops))
 
-    def _reshape_input(self, name: str, blob: Blob, shape: tuple[int, ...]) -> None:
+    def _reshape_input(self, name: str, shape: tuple[int, ...]) -> None:
         """``blobs[name].reshape(*shape)``: only an input blob may take a shape of its own;
         the others follow from the layers that write them."""
-        built = blob.shape
         if any(d < 0 for d in shape):
             raise PurineError(f"blob '{name}': negative dimension in reshape{shape}")
-        if self.builder.data.get(name) is not blob or name not in self.inputs:
-            if shape == built:
+        now = self._blob(name).shape
+        if name not in self.inputs:
+            if shape == now:
                 return
             raise PurineError(
-                f"net '{self.model.name}': blob '{name}' {built} cannot be reshaped to {shape}: "
+                f"net '{self.model.name}': blob '{name}' {now} cannot be reshaped to {shape}: "
                 "only the net's input blobs (" + ", ".join(self.inputs) + ") take shapes of "
                 "their own; the other blobs' follow from the layers that write them")
         self._input_shapes[name] = shape
         self._staged_diffs.pop(name, None)
-        if shape == built:  # back to the built shape: no rebuild needed
+        if shape == now:  # the current build's shape: nothing to stage
             self._staged.pop(name, None)
         elif name not in self._staged or self._staged[name].shape != shape:
-            self._staged[name] = np.zeros(shape, blob.dtype)
+            self._staged[name] = np.zeros(shape, self._blob(name).dtype)
 
     def reshape_if_needed(self) -> bool:
-        """Caffe reshapes every layer at each forward; here that means a rebuild, done only
-        when an input blob was given a new shape since the last build. Returns whether it
-        rebuilt."""
+        """Settle the input blobs' shapes given since the last pass (Caffe reshapes every
+        layer at each forward; the net goes on in its build for the new input shapes, made
+        if there is none) and copy their staged values in. Returns whether it changed
+        build."""
         if not self._staged:
             return False
-        self.reshape()
-        return True
-
-    def reshape(self) -> None:
-        """Rebuild with the shapes given to ``blobs[name].reshape`` (Caffe's Net::Reshape),
-        keeping parameters, the input blobs' values, data cursors and Python layers' objects
-        (their ``reshape`` runs again and may give their tops new shapes). A solver's train
-        net is rebuilt by its solver, which rebuilds its update ops on the new graph."""
-        self._check_open()
-        if self.rebuilder is not None:
-            self.rebuilder()
-        else:
-            self._rebuild()
-
-    def _rebuild(self) -> None:
-        params = {p.name: self.dispatcher.array(p).copy() for ps in self.builder.layers
-                  for p in ps.params}
-        inputs = {n: self._staged.get(n) for n in self.inputs}
-        for n, a in inputs.items():
-            if a is None:
-                inputs[n] = self.dispatcher.array(self.builder.data[n]).copy()
-        states = {k: obj.state() for k, obj in self.builder.stateful.items()}
-        old, old_dispatcher = self.builder, self.dispatcher
+        staged = dict(self._staged)
+        now = self.builder
         try:
-            self._build(previous=old)
+            self._settle(-1, self._inputs_key(), ", ".join(
+                f"input blob '{n}' {self._blob(n).shape} was reshaped to {a.shape}"
+                for n, a in staged.items()))
         except BaseException:
-            # The net stays as built: forget the shapes that could not be built.
-            for n in self._staged:
-                self._input_shapes[n] = old.data[n].shape
+            # The net stays as it was: forget the shapes that could not be built.
+            for n in staged:
+                self._input_shapes[n] = self._blob(n).shape
             self._staged.clear()
             self._staged_diffs.clear()
             raise
         self._staged.clear()
         self._staged_diffs.clear()
-        old_dispatcher.close()
-        close_all(old.stateful.values())  # the new data layers opened their sources anew
-        for k, state in states.items():  # data cursors and random streams go on
-            if k in self.builder.stateful:
-                self.builder.stateful[k].restore(state)
-        for n, a in inputs.items():
-            blob = self.builder.data.get(n)
-            if blob is not None and blob.shape == a.shape:
-                assign(self.dispatcher.array(blob), a)
-        if self._shared_with is not None:
-            self.share_with(self._shared_with)
-            return
-        for ps in self.builder.layers:
-            for p in ps.params:
-                if p.name in params:
-                    assign(self.dispatcher.array(p), params[p.name])
+        for n, a in staged.items():
+            assign(self.dispatcher.array(self.builder.data[n]), a)
+        return self.builder is not now
+
+    def reshape(self) -> None:
+        """Caffe's Net::Reshape: settle every shape now, the input blobs' and, in order, each
+        layer's that settles its own (a Python layer's ``reshape`` runs, as in Caffe), and
+        go on in the build for them."""
+        self._check_open()
+        self.reshape_if_needed()
+        for k, c in enumerate(self._cuts):
+            bottoms = [self.dispatcher.array(self.builder.data[n])
+                       for n in self.model_layer(c).bottom]
+            shapes = self._settlers[c].before(bottoms)
+            self._settle(k, shapes, f"layer '{self.layer_names[c]}' gives its tops the "
+                         f"shapes {_show(shapes)}")
 
     def share_with(self, other: Net) -> None:
         """Use ``other``'s parameter arrays for the layers both nets have, by name (Caffe's
-        ShareTrainedLayersWith: a test net sees the train net's weights without a copy)."""
+        ShareTrainedLayersWith: a test net sees the train net's weights without a copy).
+        Every build of this net uses them."""
         for name, views in self.params.items():
             theirs = other.params.get(name)
             if theirs is None:
@@ -686,7 +893,6 @@ class Net:
                                   source=f"in net '{other.model.name}'", legacy=False)
             for mine, a in zip(views, arrays):
                 self.dispatcher.bind(mine._data, a)
-        self._shared_with = other
 
     # -- weights -----------------------------------------------------------------------
     def copy_from(self, path: str | os.PathLike) -> set[str]:
@@ -776,6 +982,10 @@ class Net:
             layers.append((L.param.name, [to_host(v.data) if self._owns(L.name, k) else None
                                           for k, v in enumerate(views)]))
         write_weights(path, layers)
+
+
+def _show(shapes: Sequence[Sequence[int]]) -> str:
+    return ", ".join(str(tuple(s)) for s in shapes)
 
 
 def close_all(objects: Iterable[Any]) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from purine.backend import assign, is_device_array, one_blas_thread, to_host
-from purine.caffe.net import TEST, TRAIN, Net, close_all
+from purine.caffe.net import TEST, TRAIN, Net, NetBuilder, close_all
 from purine.caffe.private_state import (  # PRIVATE_STATE_FIELD: also imported from here
     PRIVATE_STATE_FIELD,
     field_where,
@@ -123,6 +123,21 @@ class _ParamUpdate:
     param: Blob
     grad: Blob
     history: list[Blob] = field(default_factory=list)
+
+
+@dataclass
+class _TrainOps:
+    """What the solver adds to one build of the train net (a build per set of shapes): the
+    iteration and rate blobs, the parameters' updates, and the ops. The blobs of all builds
+    share their storage by name, so history, accumulated gradients and the iteration carry
+    over whichever build runs."""
+
+    it: Blob
+    lr: Blob
+    updates: list[_ParamUpdate]
+    zero_ops: list[Op]
+    accumulate_ops: list[Op]
+    update_ops: list[Op]
 
 
 class Scheme:
@@ -260,10 +275,13 @@ class Solver:
                                        seed=seed + scheme.first, threads=threads,
                                        replica=(scheme.first, scheme.total),
                                        location=location, dtype=dtype)
-            self.net.rebuilder = self._reshape_net  # its update ops are rebuilt with it
             self._check_regularization()
             self.trace_path: str | None = None  # write a Chrome trace of the next iteration
             scheme.rewrite(self, train_param, lv, tuple(st))
+            if scheme.description:  # replicas' ops are woven into the net's first build
+                self.net.frozen = (f"solver {self._where()}: the train net of a solver "
+                                   f"training {scheme.description} cannot be built again "
+                                   "for other shapes")
             for i, tp in enumerate(test_params):
                 s = p.test_state[i] if i < len(p.test_state) else pb.NetState()
                 lv, st = state(s)
@@ -271,6 +289,7 @@ class Solver:
                                                       seed=seed, threads=threads,
                                                       location=location, dtype=dtype))
             self.share_memory = share_memory
+            self._iter_host = 0  # the counter blob's value, known without reading a GPU
             self._build_train()
             self.smoothed: deque[float] = deque(maxlen=max(1, p.average_loss))
             self.requested: Callable[[], str] = lambda: "none"
@@ -416,50 +435,46 @@ class Solver:
 
     # -- the train side: update subgraph, test nets' weights, memory plan -----------------
     def _build_train(self) -> None:
-        """What the solver adds to the train net's current build: the test nets' weights
-        bound to its parameters, the update ops, and the memory plan (``share_memory``).
-        Run at construction and again after each rebuild of the train net."""
+        """What the solver adds to the train net's first build: the test nets' weights bound
+        to its parameters, the update ops, and the memory plan (``share_memory``); the net
+        calls ``_extend`` for each build it makes later, for other shapes."""
         for tn in self.test_nets:
             tn.share_with(self.net)
-        self._build_update()
+        self._extend(self.net.builder)
+        self.net.extend = self._extend
+
+    def _extend(self, b: NetBuilder) -> None:
+        """Add the update ops (and the memory plan) to build ``b`` of the train net."""
+        b.train = self._build_update(b)
         if self.share_memory:
-            self._share_memory()
+            self._share_memory(b)
 
-    def _reshape_net(self) -> None:
-        """Rebuild the train net for its inputs' new shapes (Caffe reshapes it at the next
-        step) and the train side over it. The net keeps its weights, inputs, data cursors and
-        random streams; the solver its history and iteration (so the learning rate)."""
-        why = self.scheme.description  # replicas' ops are woven into the net's graph
-        if why:
-            asked = "".join(f"; input blob '{n}' {self.net.builder.data[n].shape} was reshaped "
-                            f"to {a.shape}" for n, a in self.net._staged.items())
-            raise PurineError(f"solver {self._where()}: the train net of a solver training "
-                              f"{why} cannot be rebuilt{asked}: give the new shape in the "
-                              "net's prototxt")
-        d = self.net.dispatcher
-        history = [d.array(h).copy() for h in self._history()]
-        it = self.iter
-        self.net._rebuild()
-        self._build_train()
-        for h, a in zip(self._history(), history, strict=True):
-            assign(self.net.dispatcher.array(h), a)
-        self.iter = it
+    # The update of the train net's current build (the first, where the current stops
+    # short of a layer still to settle its shapes).
+    def _train(self) -> _TrainOps:
+        b = self.net.builder
+        return b.train if b.full else self.net.builds()[0].train
 
-    def _build_update(self) -> None:
+    _it = property(lambda self: self._train().it)
+    _lr = property(lambda self: self._train().lr)
+    updates = property(lambda self: self._train().updates)
+    zero_ops = property(lambda self: self._train().zero_ops)
+    accumulate_ops = property(lambda self: self._train().accumulate_ops)
+    update_ops = property(lambda self: self._train().update_ops)
+
+    def _build_update(self, b: NetBuilder) -> _TrainOps:
         """The update subgraph. Each parameter's update ops run where the parameter lives:
         at the scheme's server in the server's memory space, else at the parameter's own
         location (model parallelism). The iteration and rate blobs live once, at the server;
         a Copy op per other memory space feeds them there each iteration (two scalars: one
         counter to snapshot and restore, and no second rate computation to keep in step).
         Gradient clipping sums squares per memory space and sends the sums home."""
-        p, net = self.param, self.net
-        b, g = net.builder, net.graph
+        p, g = self.param, b.graph
         loc = self.scheme.server or b.location
         if self.update_worker and not self.scheme.server:
             loc = Location(loc.device, loc.index, b.threads, loc.host)
-        self._it = g.blob("solver/iter", (), "float64", loc)
-        self._lr = g.blob("solver/lr", (), "float64", loc)
-        self._iter_host = 0  # the counter blob's value, known without reading a GPU
+        it_blob = g.blob("solver/iter", (), "float64", loc)
+        lr_blob = g.blob("solver/lr", (), "float64", loc)
         ops: list[Op] = []
 
         def op(name: str, fn, ins, outs, at: Location = loc, **params) -> Op:
@@ -474,15 +489,15 @@ class Solver:
         def space(at: Location) -> str:
             return "" if at.memory == loc.memory else "@" + str(at).rsplit("/t", 1)[0]
 
-        op("lr", so.learning_rate, [self._it], [self._lr], **self._lr_params())
+        op("lr", so.learning_rate, [it_blob], [lr_blob], **self._lr_params())
         kernel_fn, n_hist = so.SOLVERS[p.type]
-        self.updates: list[_ParamUpdate] = []
+        updates: list[_ParamUpdate] = []
         for w in b.learnable_params:
             u = _ParamUpdate(w, b.param_grad(w))
             u.history = [g.blob(f"solver/{w.name}@history{k}", w.shape, w.dtype, where(w))
                          for k in range(n_hist)]
-            self.updates.append(u)
-        active = [u for u in self.updates if u.param.meta["lr_mult"] != 0]
+            updates.append(u)
+        active = [u for u in updates if u.param.meta["lr_mult"] != 0]
         remote: dict[tuple, Location] = {}  # other memory spaces with active parameters
         for u in active:
             if space(where(u.param)):
@@ -497,21 +512,21 @@ class Solver:
                    [out[key]], at=at)
             return out
 
-        lr = feed(self._lr)
-        it = feed(self._it) if p.type == "Adam" else {}
+        lr = feed(lr_blob)
+        it = feed(it_blob) if p.type == "Adam" else {}
 
         # iter_size > 1: gradients are summed into accumulators over the passes.
-        self.zero_ops: list[Op] = []
-        self.accumulate_ops: list[Op] = []
+        zero_ops: list[Op] = []
+        accumulate_ops: list[Op] = []
         grads = {u.param: u.grad for u in active}
         if p.iter_size > 1:
             for u in active:
                 at = where(u.param)
                 acc = g.blob(f"solver/{u.param.name}@accumulated", u.param.shape,
                              u.param.dtype, at)
-                self.zero_ops.append(g.op(f"solver/{u.param.name}/zero", "Fill", [], [acc],
-                                          kernel(tensor.fill, value=0.0), at))
-                self.accumulate_ops.append(g.op(
+                zero_ops.append(g.op(f"solver/{u.param.name}/zero", "Fill", [], [acc],
+                                     kernel(tensor.fill, value=0.0), at))
+                accumulate_ops.append(g.op(
                     f"solver/{u.param.name}/accumulate", "Accumulate", [u.grad, acc], [acc],
                     kernel(tensor.accumulate), at))
                 grads[u.param] = acc
@@ -547,8 +562,8 @@ class Solver:
             ins = [gr, lr[m]] + ([it[m]] if p.type == "Adam" else []) + [w] + u.history
             op(f"{w.name}/update", kernel_fn, ins, [w] + u.history, at=at,
                lr_mult=w.meta["lr_mult"], **self._rule_params())
-        op("next_iter", tensor.add_scalar, [self._it], [self._it], value=1.0)
-        self.update_ops = ops
+        op("next_iter", tensor.add_scalar, [it_blob], [it_blob], value=1.0)
+        return _TrainOps(it_blob, lr_blob, updates, zero_ops, accumulate_ops, ops)
 
     def _lr_params(self) -> dict:
         p = self.param
@@ -581,28 +596,35 @@ class Solver:
     def lr(self) -> float:
         return so.rate(it=self.iter, **self._lr_params())
 
-    def _share_memory(self) -> None:
-        """Let the train net's blobs whose lifetimes in an iteration never overlap share
-        buffers (purine.runtime.memory). What outlives an iteration keeps its own array:
-        parameters (every replica's), solver history, the iteration and rate blobs, the loss
-        tops and outputs read between iterations, and blobs bound to outside storage. The
-        plan covers every run ``_iteration`` makes: with iter_size > 1 the passes are a
-        loop between the zeroing and the update."""
+    def _share_memory(self, b: NetBuilder) -> None:
+        """Let the blobs of build ``b`` of the train net whose lifetimes in an iteration
+        never overlap share buffers (purine.runtime.memory). What outlives an iteration
+        keeps its own array: parameters (every replica's), solver history, the iteration and
+        rate blobs, the loss tops and outputs read between iterations, and blobs bound to
+        outside storage; so do the blobs of the layers before the last that settles its
+        shapes in a pass, which another build may go on from. The plan covers every run
+        ``_iteration`` makes: with iter_size > 1 the passes are a loop between the zeroing
+        and the update."""
         from purine.runtime.memory import plan_memory
 
-        net, d = self.net, self.net.dispatcher
-        passes = self._pass_ops() + self.accumulate_ops
-        ops = self.zero_ops + passes + self.update_ops
-        loops = [(len(self.zero_ops), len(self.zero_ops) + len(passes))]
+        net, d, t = self.net, b.dispatcher, b.train
+        passes = b.forward_all + b.backward_all + self.scheme.pass_ops + t.accumulate_ops
+        ops = t.zero_ops + passes + t.update_ops
+        loops = [(len(t.zero_ops), len(t.zero_ops) + len(passes))]
         if self.param.iter_size == 1:
             loops = []
-        keep = {b for b in net.graph.blobs.values() if "lr_mult" in b.meta}
-        keep |= {h for u in self.updates for h in u.history} | {self._it, self._lr}
-        keep |= {t for t, _ in net.builder.loss_tops} | d.external
-        keep |= {net.builder.data[n] for n in net.outputs} | self.scheme.keep
-        plan = plan_memory(net.graph, ops, keep, loops)
+        keep = {x for x in b.graph.blobs.values() if "lr_mult" in x.meta}
+        keep |= {h for u in t.updates for h in u.history} | {t.it, t.lr}
+        keep |= {x for x, _ in b.loss_tops} | d.external | self.scheme.keep
+        keep |= {b.data[n] for n in net.outputs if n in b.data}
+        keep |= {x for x in b.graph.blobs.values() if x.name in d.store.external}
+        last = max(net._cuts, default=0)
+        keep |= {x for L in b.layers[:last] for op in L.forward_ops
+                 for x in op.inputs + op.outputs}
+        plan = plan_memory(b.graph, ops, keep, loops)
         d.set_memory_plan(plan)
-        self.log.info(plan.summary())
+        if b is net.builds()[0]:
+            self.log.info(plan.summary())
 
     # -- running -------------------------------------------------------------------------
     def _pass_ops(self) -> list[Op]:
@@ -617,19 +639,22 @@ class Solver:
 
     def _iteration(self) -> float:
         """One iteration: iter_size forward/backward passes, then the update. Returns the
-        loss averaged over the passes (and replicas)."""
-        d = self.net.dispatcher
-        n = self.param.iter_size
+        loss averaged over the passes (and replicas). A pass settles its shapes as it goes
+        (Net._pass); its backward pass and what follows run in the build it ends in."""
+        net, n = self.net, self.param.iter_size
+        last = len(net.layer_names) - 1
         loss = 0.0
         if n == 1:
-            d.run(self._pass_ops() + self.update_ops)
+            net._pass(0, last, lambda: (net._backward_ops + self.scheme.pass_ops
+                                        + self.update_ops))
             self._iter_host += 1
             return self._pass_loss()
-        d.run(self.zero_ops)
+        net.dispatcher.run(self.zero_ops)
         for _ in range(n):
-            d.run(self._pass_ops() + self.accumulate_ops)
+            net._pass(0, last, lambda: (net._backward_ops + self.scheme.pass_ops
+                                        + self.accumulate_ops))
             loss = loss + self._pass_loss()
-        d.run(self.update_ops)
+        net.dispatcher.run(self.update_ops)
         self._iter_host += 1
         return loss / n
 
@@ -639,22 +664,21 @@ class Solver:
         from purine.data import prefetch
         from purine.runtime.trace import SPANS, trace_rows, write_chrome_trace
 
-        d = self.net.dispatcher
-        d.profile, d.trace = True, []
+        net = self.net
+        net.profile(True)
         prefetch.spans = SPANS  # the data threads' spans join the ops' events
         SPANS.start()
         try:
             loss = self._iteration()
         finally:
-            d.profile = False
+            events = net.profile(False)
             spans = SPANS.stop()
         # The parameter server: where update ops ran and the train net's own pass did not
         # (a replicas' all-reduce thread, the async server).
-        forward = set(self.net._forward_ops)
-        passed = {e.op.location for e in d.trace if e.op in forward}
+        forward = {op for b in net.builds() for op in b.forward_all}
+        passed = {e.op.location for e in events if e.op in forward}
         servers = {o.location for o in self.update_ops} - passed
-        rows = self.scheme.gather_trace(trace_rows(d.trace, spans, servers))  # collective
-        d.trace = []
+        rows = self.scheme.gather_trace(trace_rows(events, spans, servers))  # collective
         if rows is not None:
             write_chrome_trace(rows, path)
             self.log.info("Wrote the trace of iteration %d to %s", self.iter - 1, path)

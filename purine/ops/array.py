@@ -283,10 +283,18 @@ def _selected_first(selector: Array) -> tuple[Array, Array]:
     return stable_argsort(dropped), dropped.size - dropped.sum()
 
 
+def filter_count(selector: Array) -> int:
+    """How many items ``selector`` selects (its nonzero values, NaN included): Filter's
+    top count, which the net settles before the forward op (a host sync on a GPU)."""
+    xp = get_array_module(selector)
+    return int(xp.count_nonzero(selector.reshape(-1) != 0))
+
+
 def filter_forward(*arrays: Array, bottoms: int) -> None:
     """``x_1..x_K, selector, y_1..y_K``: each y holds its x's selected items, in order. The
-    tops' first axis was fixed when the net was built; a selector that selects another
-    number of items is an error (on a GPU too: the count is read back once per forward,
+    net settles the tops' first axis to the selected count before the op runs; where it
+    does not (a data-parallel replica) a selector that selects another number of items
+    than the tops hold is an error (on a GPU too: the count is read back once per forward,
     since wrong tops would poison the loss silently)."""
     xs, selector, ys = arrays[:bottoms], arrays[bottoms], arrays[bottoms + 1:]
     xp = get_array_module(selector)
@@ -295,8 +303,9 @@ def filter_forward(*arrays: Array, bottoms: int) -> None:
     if int(count) != rows:
         raise PurineError(
             f"Filter selector {tuple(selector.shape)} selects {int(count)} of "
-            f"{selector.shape[0]} items, but the tops were built with {rows}: blob shapes are "
-            "fixed when the net is built, so every forward must select that many items")
+            f"{selector.shape[0]} items, but the tops were built with {rows}, and where this "
+            "layer runs (a data-parallel replica, an asynchronous worker) the net's shapes stay "
+            "those it was built with")
     keep = order[:rows]
     for x, y in zip(xs, ys, strict=True):
         xp.take(x, keep, axis=0, out=y)

@@ -170,8 +170,8 @@ def test_a_shape_the_layers_cannot_take_leaves_the_solver_as_it_was(tmp_path):
 def test_replicas_refuse_naming_the_blob(tmp_path):
     with build_solver(solver_text(4, tmp_path), replicas=2) as s:
         s.net.blobs["x"].reshape(8, 3)
-        with pytest.raises(PurineError, match=r"training 2 data-parallel replicas cannot be "
-                                              r"rebuilt; input blob 'x' \(4, 3\) was "
+        with pytest.raises(PurineError, match=r"training 2 data-parallel replicas cannot be built "
+                                              r"again for other shapes; input blob 'x' \(4, 3\) was "
                                               r"reshaped to \(8, 3\)"):
             s.step(1)
         s.net.blobs["x"].reshape(4, 3)  # back: it trains

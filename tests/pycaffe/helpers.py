@@ -148,7 +148,7 @@ class Broken(caffe.Layer):
 
 
 class Growing(caffe.Layer):
-    """Asks for a bigger top at run time, which a fixed graph cannot give."""
+    """Asks for a bigger top at each pass, and fills it with 0, 1, ..."""
 
     def setup(self, bottom, top):
         self.n = 2
@@ -157,6 +157,7 @@ class Growing(caffe.Layer):
         top[0].reshape(self.n)
 
     def forward(self, bottom, top):
+        top[0].data[...] = np.arange(self.n)
         self.n += 1
 
 

@@ -432,6 +432,16 @@ def parameter(L: LayerBuild):
     return backward
 
 
+class _FilterCount:
+    """Filter's top shapes at each pass: as many items as the selector (the last bottom)
+    selects, the other axes the bottoms'."""
+
+    def before(self, bottoms: list) -> tuple[tuple[int, ...], ...]:
+        *xs, sel = bottoms
+        n = arr.filter_count(sel)
+        return tuple((n,) + tuple(x.shape[1:]) for x in xs)
+
+
 @register("Filter")
 def filter_layer(L: LayerBuild):
     L.expect((2, None), (1, None))
@@ -448,11 +458,14 @@ def filter_layer(L: LayerBuild):
             raise L.error(f"bottom '{x.name}' {x.shape} must have as many items (axis 0) as "
                           f"the selector '{sel.name}' {sel.shape} has values "
                           f"({sel.shape[0]})")
-    # Caffe sizes the tops to the selected count at every forward, and to the full batch at
-    # set-up. Blob shapes are fixed here, so the tops keep the set-up shape and the forward
-    # op refuses a selector that selects fewer items (see arr.filter_forward).
-    ys = [L.top(i, x.shape) for i, x in enumerate(xs)]
+    # Caffe sizes the tops to the full batch at set-up and to the selected count at every
+    # forward: the net settles that count right before the forward op (_FilterCount) and
+    # builds the layer for it.
+    decided = L.decided()
+    rows = decided[0][0] if decided else sel.shape[0]
+    ys = [L.top(i, (rows,) + x.shape[1:]) for i, x in enumerate(xs)]
     L.forward(arr.filter_forward, [*xs, sel], ys, bottoms=len(xs))
+    L.settles(_FilterCount())
     L.no_force_backward.add(len(xs))
 
     def backward():

@@ -79,6 +79,19 @@ def _add_forward(L: LayerBuild, shapes: list[tuple[int, ...]],
     log.info("output data size: %s", ",".join(str(d) for d in shapes[0]))
 
 
+def _reuse(L: LayerBuild) -> bool:
+    """In another build of the net (for other shapes) a data layer goes on reading from the
+    first build's source, whose batches keep their shapes: its forward op is made again over
+    that source, nothing is opened or logged again."""
+    source = L.kept("cursor")
+    if source is None:
+        return False
+    first = L.net.base.layers[L.index]
+    tops = [L.top(i, t.shape) for i, t in enumerate(first.tops)]
+    L.forward(prefetch.fill_tops, [], tops, op_type=L.type, source=source)
+    return True
+
+
 def _data_backend(L: LayerBuild, p: pb.DataParameter) -> str:
     """The backend data_param asks for (LEVELDB when unset, Caffe's default), unless the
     source holds the other kind: Caffe would fail to open it, we read it as what it is and
@@ -102,6 +115,8 @@ def _data_backend(L: LayerBuild, p: pb.DataParameter) -> str:
 @register("Data")
 def data_layer(L: LayerBuild):
     L.expect(0, (1, 2))
+    if _reuse(L):
+        return None
     p = L.param.data_param
     if not p.source:
         raise L.error("data_param.source is empty; give the LMDB or LevelDB folder")
@@ -132,6 +147,8 @@ def data_layer(L: LayerBuild):
 def image_data_layer(L: LayerBuild):
     L.expect(0, 2)
     p = L.param.image_data_param
+    if _reuse(L):
+        return None
     if (p.new_height > 0) != (p.new_width > 0):
         raise L.error(f"new_height ({p.new_height}) and new_width ({p.new_width}) must be set "
                       "together")
@@ -164,6 +181,8 @@ def image_data_layer(L: LayerBuild):
 def memory_data_layer(L: LayerBuild):
     L.expect(0, 2)
     p = L.param.memory_data_param
+    if _reuse(L):
+        return None
     dims = (p.batch_size, p.channels, p.height, p.width)
     if min(dims) <= 0:
         raise L.error(f"batch_size, channels, height and width must be specified and positive "
@@ -178,6 +197,8 @@ def memory_data_layer(L: LayerBuild):
 @register("HDF5Data")
 def hdf5_data_layer(L: LayerBuild):
     L.expect(0, (1, None))
+    if _reuse(L):
+        return None
     p = L.param.hdf5_data_param
     if L.param.HasField("transform_param"):
         raise L.error("HDF5Data does not transform data; remove transform_param")
@@ -231,6 +252,8 @@ _WINDOW_LEGACY = ("mean_file", "crop_size", "mirror")  # read from transform_par
 def window_data_layer(L: LayerBuild):
     L.expect(0, 2)
     p, tp = L.param.window_data_param, L.param.transform_param
+    if _reuse(L):
+        return None
     if not p.source:
         raise L.error("window_data_param.source is empty; give the window file")
     batch = _batch_size(L, p.batch_size, "window_data_param")
@@ -297,10 +320,13 @@ def hdf5_output_layer(L: LayerBuild):
     name = L.param.hdf5_output_param.file_name
     if not name:
         raise L.error("hdf5_output_param.file_name is empty; give the .h5 file to write")
-    try:
-        output = hdf5.HDF5Output(name)
-    except DataError as e:
-        raise L.error(str(e)) from None
+    output = L.kept("output")  # another build of the net writes on to the same file
+    if output is None:
+        try:
+            output = hdf5.HDF5Output(name)
+        except DataError as e:
+            raise L.error(str(e)) from None
+        L.share("output", output)
     L.forward(hdf5.write_output, [data, label], [], op_type="HDF5Output", output=output)
     # Caffe's HDF5Output has no gradient: force_backward leaves it out, and a bottom
     # forced by propagate_down gets the zero gradient of a layer whose backward is empty.

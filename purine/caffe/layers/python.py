@@ -1,8 +1,11 @@
 """The ``Python`` layer: a user's class (pycaffe's ``caffe.Layer``) named by ``python_param``
 run as graph ops, and the blob objects its methods see. Set-up and the first reshape run at
-build time and fix the top shapes; the forward op calls ``reshape`` then ``forward``, the
-backward op calls ``backward``, with the blobs' arrays bound to the net's storage. A rebuild
-(the net reshaped) keeps the user's object and calls only its ``reshape``, as Caffe does."""
+the net's first build and give the top shapes; then, at every pass, the net calls
+``reshape`` right before the forward op (the layer settles its shapes, see
+purine.caffe.layer.Settler), and goes on in its build for the shapes it gave, as Caffe calls
+Reshape before Forward; a top reshaped in ``forward`` moves the pass to the build for that
+shape too. The forward op calls ``forward``, the backward op ``backward``, with the blobs'
+arrays bound to the net's storage. Every build of the net uses the one user's object."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from purine.backend import to_host
 from purine.caffe.layer import LayerBuild, LegacyAxes, register
 from purine.errors import LayerError
 from purine.formats import caffe_pb2 as pb
@@ -26,9 +30,9 @@ class PyBlob(LegacyAxes):
     """A blob as a Python layer sees it (pycaffe's ``Blob``): ``data`` and ``diff`` arrays,
     ``shape``, the legacy ``num``/``channels``/``height``/``width``, ``count``, ``reshape``.
 
-    After the net is built the shape is the graph's and fixed until the net is rebuilt
-    (reshaped): ``reshape`` to the same shape is a no-op (pycaffe layers reshape their tops
-    at every forward), to another an error."""
+    While bound to the net's storage its shape is the graph's; ``reshape`` to another shape
+    gives it an array of its own, which the net moves into its build for that shape. A
+    parameter blob keeps its shape (as in Caffe, parameters never change shape)."""
 
     def __init__(self, shape: Sequence[int] | None = None, dtype: Any = np.float32,
                  name: str = ""):
@@ -38,7 +42,8 @@ class PyBlob(LegacyAxes):
         self._data: Any = None
         self._diff: Any = None
         self._spare_diff: Any = None  # a diff no gradient blob stands behind
-        self._fixed: str | None = None  # the layer name, once the graph holds this shape
+        self._graph = False  # the data is the graph's array (bound, not reshaped since)
+        self._fixed: str | None = None  # a parameter blob's layer: its shape is fixed
 
     # -- arrays ------------------------------------------------------------------------
     @property
@@ -65,6 +70,7 @@ class PyBlob(LegacyAxes):
 
     def _bind(self, data: Any, diff: Any = None) -> None:
         self._data, self._diff = data, diff
+        self._shape, self._graph = tuple(data.shape), True
 
     # -- shape -------------------------------------------------------------------------
     @property
@@ -84,12 +90,9 @@ class PyBlob(LegacyAxes):
         if new == self._shape:
             return
         if self._fixed is not None:
-            raise LayerError(self._fixed, "Python", f"reshape of blob '{self.name}' from "
-                             f"{self.shape} to {new} during forward: the net's graph holds the "
-                             "shapes reshape() gave when it was built; a new shape needs a "
-                             "rebuild first (net.reshape(), or reshaping an input blob, calls "
-                             "reshape() again, also in a solver's train net)")
-        self._shape = new
+            raise LayerError(self._fixed, "Python", f"reshape of parameter blob '{self.name}' "
+                             f"from {self.shape} to {new}: parameters keep their shapes")
+        self._shape, self._graph = new, False
         self._data = self._diff = self._spare_diff = None
 
     def __repr__(self) -> str:
@@ -137,33 +140,55 @@ class Layer:
 
 
 class _Instance:
-    """One Python layer in one net: the user's object, the blob objects it was handed, and
-    the graph blobs they stand for."""
+    """One Python layer in one net, the same in all its builds: the user's object and the
+    blob objects it is handed. As a Settler, it settles the layer's top shapes at each pass:
+    ``reshape`` before the forward op, and what ``forward`` reshaped after it."""
 
-    def __init__(self, obj: Any, where: str, bottoms: list[PyBlob], tops: list[PyBlob],
-                 blobs: list[PyBlob]):
-        self.obj, self.where = obj, where
+    def __init__(self, layer: str, obj: Any, where: str, bottoms: list[PyBlob],
+                 tops: list[PyBlob], blobs: list[PyBlob]):
+        self.layer, self.obj, self.where = layer, obj, where
         self.bottoms, self.tops, self.blobs = bottoms, tops, blobs
-        self.graph_bottoms: list[Blob] = []
-        self.graph_tops: list[Blob] = []
-        self.graph_params: list[Blob] = []
+        self.settled = False  # reshape ran for the coming forward op
+
+    def before(self, bottoms: list[Any]) -> tuple[tuple[int, ...], ...]:
+        for w, a in zip(self.bottoms, bottoms):
+            w._bind(to_host(a))  # a GPU net's blob: the layer computes with numpy
+        _call(self.layer, self.where, self.obj, "reshape", self.bottoms, self.tops)
+        self.settled = True
+        return tuple(w.shape for w in self.tops)
+
+    def after(self) -> tuple[tuple[tuple[int, ...], ...], list[Any]] | None:
+        if all(w._graph for w in self.tops):
+            return None
+        return tuple(w.shape for w in self.tops), [w.data for w in self.tops]
+
+
+class _Wiring:
+    """The graph blobs a Python layer's blob objects stand for in one build of the net."""
+
+    def __init__(self, inst: _Instance):
+        self.inst = inst
+        self.bottoms: list[Blob] = []
+        self.tops: list[Blob] = []
+        self.params: list[Blob] = []
         self.param_grads: list[Blob] = []
 
 
-_INSTANCES: weakref.WeakKeyDictionary[LayerBuild, _Instance] = weakref.WeakKeyDictionary()
+_WIRING: weakref.WeakKeyDictionary[LayerBuild, _Wiring] = weakref.WeakKeyDictionary()
 
 
 def layer_object(L: LayerBuild, array: Callable[[Blob], Any]) -> Any | None:
     """The user's object of Python layer ``L`` (None for other layers), its blobs bound to
     the net's arrays (``array(blob)``), so ``net.layers[i].blobs[k].data`` is the parameter."""
-    inst = _INSTANCES.get(L)
-    if inst is None:
+    wiring = _WIRING.get(L)
+    if wiring is None:
         return None
-    for w, b in zip(inst.bottoms, inst.graph_bottoms):
+    inst = wiring.inst
+    for w, b in zip(inst.bottoms, wiring.bottoms):
         w._bind(array(b))
-    for w, b in zip(inst.tops, inst.graph_tops):
+    for w, b in zip(inst.tops, wiring.tops):
         w._bind(array(b))
-    for w, b, g in zip(inst.blobs, inst.graph_params, inst.param_grads):
+    for w, b, g in zip(inst.blobs, wiring.params, wiring.param_grads):
         w._bind(array(b), array(g))
     return inst.obj
 
@@ -220,17 +245,6 @@ def _import_caffe() -> None:
         _install_standin()
 
 
-def _previous(L: LayerBuild) -> _Instance | None:
-    """This layer's instance in the build that ``L``'s net replaces (a reshape), if any."""
-    before = L.net.previous
-    if before is None:
-        return None
-    for P in before.layers:
-        if P.name == L.name:
-            return _INSTANCES.get(P)
-    return None
-
-
 def _load(L: LayerBuild, module: str, name: str) -> type:
     _import_caffe()
     try:
@@ -248,6 +262,40 @@ def _load(L: LayerBuild, module: str, name: str) -> type:
         raise L.error(f"module '{module}' ({where}) has no class '{name}' "
                       "(python_param.layer)")
     return cls
+
+
+def _set_up(L: LayerBuild, where: str) -> _Instance:
+    """Make the user's object, call its ``setup`` and ``reshape`` (Caffe's SetUp) and give
+    the tops their first shapes."""
+    p = L.param.python_param
+    cls = _load(L, p.module, p.layer)
+    try:
+        obj = cls(L.param)
+    except Exception as e:
+        raise L.error(f"{where}(param) raised {type(e).__name__}: {e}") from e
+    if not isinstance(getattr(obj, "blobs", None), BlobVec):
+        obj.blobs = BlobVec()
+    obj.param_str = p.param_str
+    obj.phase = L.phase
+    # share_in_parallel only matters to Caffe's multi-GPU workers, which share one object
+    # per layer here anyway.
+    dtype = np.dtype(L.net.dtype)
+    bottoms = [PyBlob(b.shape, dtype, name) for b, name in zip(L.bottoms, L.param.bottom)]
+    tops = []
+    for name in L.param.top:
+        if name in L.param.bottom:  # in place: the top is the bottom's blob, as in Caffe
+            tops.append(bottoms[list(L.param.bottom).index(name)])
+        else:
+            tops.append(PyBlob(None, dtype, name))
+    _call(L.name, where, obj, "setup", bottoms, tops)
+    _call(L.name, where, obj, "reshape", bottoms, tops)
+    for w in tops:
+        if w._shape is None:
+            raise L.error(f"{where}.reshape did not give top '{w.name}' a shape; call "
+                          f"top[i].reshape(...) in setup or reshape")
+    inst = _Instance(L.name, obj, where, bottoms, tops, list(obj.blobs))
+    L.share("python", inst)
+    return inst
 
 
 def _call(layer: str, where: str, obj: Any, method: str, *args: Any) -> None:
@@ -269,50 +317,25 @@ def python_layer(L: LayerBuild):
     if not p.module or not p.layer:
         raise L.error("python_param needs both 'module' and 'layer' (the class name)")
     where = f"{p.module}.{p.layer}"
-    before = _previous(L)
-    if before is not None:  # a rebuild: the user's object goes on, set up already
-        obj = before.obj
-    else:
-        cls = _load(L, p.module, p.layer)
-        try:
-            obj = cls(L.param)
-        except Exception as e:
-            raise L.error(f"{where}(param) raised {type(e).__name__}: {e}") from e
-        if not isinstance(getattr(obj, "blobs", None), BlobVec):
-            obj.blobs = BlobVec()
-        obj.param_str = p.param_str
-        obj.phase = L.phase
-    # share_in_parallel only matters to Caffe's multi-GPU workers, which share one object
-    # per layer here anyway.
-
+    inst: _Instance | None = L.kept("python")
+    if inst is None:  # the net's first build: the user's object is made and set up
+        inst = _set_up(L, where)
+    # Another build, for the shapes a pass settled, uses the same object (set up already).
+    shapes = L.decided() or tuple(w.shape for w in inst.tops)
+    obj, bottoms, tops = inst.obj, inst.bottoms, inst.tops
     dtype = np.dtype(L.net.dtype)
-    bottoms = [PyBlob(b.shape, dtype, name) for b, name in zip(L.bottoms, L.param.bottom)]
-    tops = []
-    for i, name in enumerate(L.param.top):
-        if name in L.param.bottom:  # in place: the top is the bottom's blob, as in Caffe
-            tops.append(bottoms[list(L.param.bottom).index(name)])
-        else:  # a rebuilt layer's tops start at their last shapes, as Caffe's blobs do
-            tops.append(PyBlob(before.tops[i]._shape if before else None, dtype, name))
-    if before is None:
-        _call(L.name, where, obj, "setup", bottoms, tops)
-    _call(L.name, where, obj, "reshape", bottoms, tops)
-    for w in tops:
-        if w._shape is None:
-            raise L.error(f"{where}.reshape did not give top '{w.name}' a shape; call "
-                          f"top[i].reshape(...) in setup or reshape")
-
-    inst = _Instance(obj, where, bottoms, tops, list(obj.blobs))
+    wiring = _Wiring(inst)
     for w in inst.blobs:
         b = L.add_param(w.shape, None)
         if b in L.net.initial and b.meta.get("layer") == L.name:
             L.net.initial[b] = np.array(w.data, dtype=dtype)  # what setup put there
-        inst.graph_params.append(b)
-        inst.param_grads.append(L.net.param_grad(b))
-    inst.graph_bottoms = list(L.bottoms)
-    inst.graph_tops = [L.top(i, w.shape) for i, w in enumerate(tops)]
-    for w in bottoms + tops + inst.blobs:
+        wiring.params.append(b)
+        wiring.param_grads.append(L.net.param_grad(b))
         w._fixed = L.name
-    _INSTANCES[L] = inst
+    wiring.bottoms = list(L.bottoms)
+    wiring.tops = [L.top(i, shape) for i, shape in enumerate(shapes)]
+    _WIRING[L] = wiring
+    L.settles(inst)
     nb, nk = len(bottoms), len(inst.blobs)
 
     def check_blobs() -> None:
@@ -327,12 +350,24 @@ def python_layer(L: LayerBuild):
             w._bind(a)
         for w, a in zip(tops, arrays[nb + nk:]):
             w._bind(a)
-        # Caffe's Layer::Forward reshapes first; data layers often load the next item there.
-        _call(L.name, where, obj, "reshape", bottoms, tops)
+        if not inst.settled:
+            # Run outside a pass that settles shapes (a data-parallel replica, a worker of
+            # an asynchronous solver, the time command): reshape here, as Caffe's net does
+            # right before Forward (data layers often load the next item there), in the
+            # shapes of this build.
+            _call(L.name, where, obj, "reshape", bottoms, tops)
+            moved = [w for w in tops if not w._graph]
+            if moved:
+                w = moved[0]
+                raise L.error(f"reshape() gave top '{w.name}' the shape {w.shape}, but where "
+                              "this layer runs (a data-parallel replica, an asynchronous "
+                              "worker, the time command) the net's shapes stay those it was "
+                              f"built with: {tuple(wiring.tops[tops.index(w)].shape)}")
+        inst.settled = False
         check_blobs()
         _call(L.name, where, obj, "forward", bottoms, tops)
 
-    L.forward(python_forward, list(L.bottoms) + inst.graph_params, inst.graph_tops,
+    L.forward(python_forward, list(L.bottoms) + wiring.params, wiring.tops,
               op_type="Python")
 
     def backward():
@@ -366,6 +401,6 @@ def python_layer(L: LayerBuild):
             check_blobs()
             _call(L.name, where, obj, "backward", tops, list(need), bottoms)
 
-        L.backward(python_backward, list(L.bottoms) + inst.graph_tops + top_diffs
-                   + inst.graph_params, bottom_diffs + param_diffs, op_type="PythonBackward")
+        L.backward(python_backward, list(L.bottoms) + wiring.tops + top_diffs
+                   + wiring.params, bottom_diffs + param_diffs, op_type="PythonBackward")
     return backward
