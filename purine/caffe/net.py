@@ -543,7 +543,7 @@ class Net:
     def _make(self, decided: dict[int, tuple], upto: int | None) -> NetBuilder:
         """A build of the net at the requested input shapes and the ``decided`` top shapes
         (the first build when there is none yet), with its dispatcher over the net's store."""
-        first = self._builds.get(self._first_key) if self._builds else None
+        first = self._first if self._builds else None
         b = NetBuilder(self.model, self.phase, level=self._level, stages=self._stages,
                        seed=self._seed, threads=self._threads,
                        input_shapes=self._input_shapes, dtype=self._dtype,
@@ -565,9 +565,8 @@ class Net:
         return b
 
     def _build(self) -> None:
-        self._first_key: tuple = ()
         b = self._make({}, None)
-        self._first_key = b.prefix
+        self._first = b
         self._first_inputs = {t: b.data[t].shape for L in b.layers if L.type == "Input"
                               for t in L.param.top}
         self._settlers = {L.index: L.settler for L in b.layers if L.settler is not None}
@@ -576,7 +575,7 @@ class Net:
             value = b.initial.pop(blob)
             if self.host is None or blob.location.host == self.host:
                 assign(b.dispatcher.array(blob), value)
-        self._builds[b.prefix] = b
+        self._builds[(b.prefix, b.upto)] = b
         self._use(b)
         self.layer_names = [L.param.name for L in b.layers]
         self.layer_types = [L.type for L in b.layers]
@@ -604,7 +603,7 @@ class Net:
                             if s != first.get(n)))
 
     def _use(self, b: NetBuilder) -> None:
-        self._builds.move_to_end(b.prefix)
+        self._builds.move_to_end((b.prefix, b.upto))
         self.builder, self.graph, self.dispatcher = b, b.graph, b.dispatcher
         self._forward_ops, self._backward_ops = b.forward_all, b.backward_all
 
@@ -639,32 +638,45 @@ class Net:
     def _param(self, layer: str, k: int) -> tuple[NetBuilder, Blob]:
         """Parameter ``k`` of ``layer`` in the current build (or the first, where the
         current stops short of the layer): its home blob, where the layer reads a mirror."""
-        b = self.builder if self.builder.full else self._builds[self._first_key]
+        b = self.builder if self.builder.full else self._first
         if b.by_name is None:
             b.by_name = {L.name: L for L in b.layers}
         L = b.by_name[layer]
         return b, L.param_homes.get(k, L.params[k])
 
-    def _settle(self, k: int, shapes: tuple, what: str = "") -> None:
+    def _settle(self, k: int, shapes: tuple, what: str = "", need: int | None = None) -> None:
         """Settle the shapes of cut ``k`` (the k-th layer that settles its tops; -1: the
-        input blobs) for this pass: go on in the build for them, made if there is none."""
-        cur = self.builder
-        prefix = cur.prefix[:k + 1] + (shapes,)
-        if cur.prefix[:k + 2] == prefix:
+        input blobs) for this pass: go on in a build for them holding the layers before
+        ``need`` (by default up to the next cut), made if there is none."""
+        n = len(self.layer_names)
+        reach = self._cuts[k + 1] if k + 1 < len(self._cuts) else n  # up to the next cut
+        need = reach if need is None else need
+
+        def fits(b: NetBuilder) -> bool:
+            return b.prefix[:k + 2] == prefix and (b.full or b.upto >= need)
+
+        prefix = self.builder.prefix[:k + 1] + (shapes,)
+        if fits(self.builder):
             return
-        found = next((b for b in reversed(self._builds.values())
-                      if b.prefix[:k + 2] == prefix), None)
-        if self.frozen is not None and found is not self._builds[self._first_key]:
+        found = next((b for b in reversed(self._builds.values()) if fits(b)), None)
+        if self.frozen is not None and found is not self._first:
             raise PurineError(f"{self.frozen}; {what}: give the shapes in the net's prototxt")
         if found is None:
             decided = {self._cuts[j]: prefix[j + 1] for j in range(k + 1)}
-            upto = self._cuts[k + 1] if k + 1 < len(self._cuts) else None
-            found = self._make(decided, upto)
-            self._builds[found.prefix] = found
+            try:  # as far as the next cut, if the layers there can take the shapes now
+                found = self._make(decided, reach if reach < n else None)
+            except PurineError:
+                if need >= reach:
+                    raise
+                # A layer past cut k cannot take the shapes its forward may still change
+                # (a loss reading a label that a Python layer reshapes in forward).
+                found = self._make(decided, need)
+            self._builds[(found.prefix, found.upto)] = found
             while len(self._builds) > MAX_BUILDS + 1:
-                old = next(b for b in self._builds.values()
-                           if b.prefix != self._first_key)
-                del self._builds[old.prefix]
+                key, old = next((key, b) for key, b in self._builds.items()
+                                if b is not self._first)
+                del self._builds[key]
+                old.dispatcher.set_memory_plan(None)  # its planned buffers are no longer held
                 old.dispatcher.close()
         self._use(found)
 
@@ -683,35 +695,63 @@ class Net:
         pass, an update) in the same dispatcher run. A layer that settles its shapes is
         settled right before its forward op, on what the pass computed so far; the ops
         between two such layers run together, in the build for the shapes settled."""
+        if lo > 0:  # from a layer on: the build must hold it (not stop short before it)
+            self._full()
         start = lo
         for k, c in enumerate(self._cuts):
             if not lo <= c <= hi:
                 continue
-            if start < c:
-                self.dispatcher.run(self._ops(start, c))
             settler = self._settlers[c]
             layer = self.layer_names[c]
-            bottoms = [self.dispatcher.array(self.builder.data[n])
-                       for n in self.builder.param.layer[c].bottom]
-            shapes = settler.before(bottoms)
-            self._settle(k, shapes, f"layer '{layer}' gives its tops the shapes "
-                         f"{_show(shapes)}")
-            start = c
+            bottoms = []
+            if getattr(settler, "reads_bottoms", True):  # what the pass computed so far
+                if start < c:
+                    self.dispatcher.run(self._ops(start, c))
+                    start = c
+                bottoms = [self.dispatcher.array(self.builder.data[n])
+                           for n in self.model_layer(c).bottom]
+            # (A settler that reads no bottom, a data layer's, is settled without running
+            # the layers before it first: they have the same shapes in either build.)
+            try:
+                shapes = settler.before(bottoms)
+            except PurineError as e:  # named as the op's errors are, unless it names a layer
+                ops = self._first.layers[c].forward_ops
+                if ops and not isinstance(e, LayerError):
+                    e.args = (f"op '{ops[-1].name}': {e}",) + e.args[1:]
+                raise
+            what = f"layer '{layer}' gives its tops the shapes {_show(shapes)}"
             after = getattr(settler, "after", None)
-            if after is not None:  # the layer's forward may give its tops other shapes
-                self.dispatcher.run(self._ops(c, c + 1))
-                start = c + 1
-                moved = after()
-                if moved is not None and moved[0] != shapes:
-                    self._settle(k, moved[0], f"layer '{layer}' gives its tops the shapes "
-                                 f"{_show(moved[0])} in forward")
-                    for t, a in zip(self.builder.layers[c].tops, moved[1]):
-                        assign(self.dispatcher.array(t), a)
+            if after is None:
+                self._settle(k, shapes, what)
+                continue
+            # The layer's forward may give its tops other shapes (a Python layer's forward
+            # may reshape them, as Faster R-CNN's proposal layer does): the layers after it
+            # are built once that is known, so a build for the shapes reshape() gave reaches
+            # only as far as the layer itself.
+            self._settle(k, shapes, what, need=c + 1)
+            self.dispatcher.run(self._ops(start, c + 1))
+            start = c + 1
+            moved = after()
+            if moved is not None and moved[0] != shapes:
+                self._settle(k, moved[0], f"layer '{layer}' gives its tops the shapes "
+                             f"{_show(moved[0])} in forward")
+                for t, a in zip(self.builder.layers[c].tops, moved[1]):
+                    assign(self.dispatcher.array(t), a)
+            else:
+                self._settle(k, shapes, what)
         ops = self._ops(start, hi + 1)
         if tail is not None:
             ops = ops + tail()
         if ops:
             self.dispatcher.run(ops)
+
+    @property
+    def whole(self) -> NetBuilder:
+        """A build with every layer: the current one, or where a forward pass stopped short of
+        a layer still to settle its shapes, the latest that has them all."""
+        if self.builder.full:
+            return self.builder
+        return next(b for b in reversed(self._builds.values()) if b.full)
 
     def _full(self) -> NetBuilder:
         """The current build, which a backward pass needs whole: a forward that stopped
@@ -785,7 +825,7 @@ class Net:
 
     def model_layer(self, i: int) -> pb.LayerParameter:
         """Layer ``i``'s parameter message, as the net was built (phase rules applied)."""
-        return self._builds[self._first_key].layers[i].param
+        return self._first.layers[i].param
 
     def backward(self, diffs: Sequence[str] | None = None, start: str | None = None,
                  end: str | None = None, **top_diffs: np.ndarray) -> dict[str, np.ndarray]:

@@ -449,11 +449,11 @@ class Solver:
         if self.share_memory:
             self._share_memory(b)
 
-    # The update of the train net's current build (the first, where the current stops
-    # short of a layer still to settle its shapes).
+    # The update of the train net's current build (the latest whole one, where the current
+    # stops short of a layer still to settle its shapes).
     def _train(self) -> _TrainOps:
         b = self.net.builder
-        return b.train if b.full else self.net.builds()[0].train
+        return b.train if b.full else self.net.whole.train
 
     _it = property(lambda self: self._train().it)
     _lr = property(lambda self: self._train().lr)
@@ -619,11 +619,11 @@ class Solver:
         keep |= {b.data[n] for n in net.outputs if n in b.data}
         keep |= {x for x in b.graph.blobs.values() if x.name in d.store.external}
         last = max(net._cuts, default=0)
-        keep |= {x for L in b.layers[:last] for op in L.forward_ops
+        keep |= {x for L in b.layers[:last + 1] for op in L.forward_ops
                  for x in op.inputs + op.outputs}
         plan = plan_memory(b.graph, ops, keep, loops)
         d.set_memory_plan(plan)
-        if b is net.builds()[0]:
+        if b is net.builder:  # the first build's (the solver is being built), not others'
             self.log.info(plan.summary())
 
     # -- running -------------------------------------------------------------------------

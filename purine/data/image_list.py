@@ -116,7 +116,9 @@ class ImageBatches(PooledBatches):
         entries = [self.images.line(first + i) for i in range(self.batch_size)]
         images = [self.images.image(e) for e in entries]
         labels = np.array([e[1] for e in entries], self.dtype)
-        out = pool.array((self.batch_size,) + self.shape, self.dtype)
+        # Shaped by its first image, as Caffe's batches are (see DatumBatches.read).
+        shape = self.transformer.output_shape(images[0].shape, self.images.where(entries[0]))
+        out = pool.array((self.batch_size,) + shape, self.dtype)
         rng = (np.random.default_rng([self.seed, self.index, g])
                if self.transformer.random else None)
         self.transformer(images, out, rng, lambda i: self.images.where(entries[i]))

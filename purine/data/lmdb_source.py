@@ -247,7 +247,10 @@ class DatumBatches:
                 images.append(datum_image(d, self.flag, where))
                 labels[i] = d.label
         with data_span("transform"):
-            out = pool.array((self.batch_size,) + self.shape, self.dtype)
+            # Caffe shapes each batch by its first record (records of one batch must agree):
+            # a net reshaped at every pass takes records of any size, one per batch.
+            shape = self.transformer.output_shape(images[0].shape, self.where(recs[0][0]))
+            out = pool.array((self.batch_size,) + shape, self.dtype)
             rng = (np.random.default_rng([self.seed, self.index, g])
                    if self.transformer.random else None)
             self.transformer(images, out, rng, lambda i: self.where(recs[i][0]))

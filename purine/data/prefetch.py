@@ -113,6 +113,7 @@ class Prefetcher:
         self.pool = BufferPool(max(1, self.depth) + 1)
         self.uploader: Uploader | None = None  # batches for a GPU: copied there by the thread
         self.position = 0
+        self._peeked: Batch | DeviceBatch | None = None  # taken from the queue, not handed out
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
         self._stop: threading.Event | None = None
@@ -121,7 +122,7 @@ class Prefetcher:
 
     # -- the cursor the solver keeps -------------------------------------------------
     def state(self) -> dict:
-        return {"batch": self.position}
+        return {"batch": self.position - (self._peeked is not None)}
 
     def restore(self, state: dict) -> None:
         """Continue at batch ``state["batch"]``: prefetched batches are discarded."""
@@ -132,8 +133,18 @@ class Prefetcher:
         self.position = batch
 
     # -- consuming -------------------------------------------------------------------
+    def peek(self) -> Batch | DeviceBatch:
+        """The batch ``next()`` hands out next, without handing it out (a data layer settles
+        its top shapes from it before its forward op)."""
+        if self._peeked is None:
+            self._peeked = self.next()
+        return self._peeked
+
     def next(self) -> Batch:
         """The next batch; raises the reader's error (a PurineError naming the record)."""
+        if self._peeked is not None:
+            batch, self._peeked = self._peeked, None
+            return batch
         if self.closed:
             raise DataError(f"{self.name}: the data source is closed (its net was closed)")
         if self.depth <= 0:
@@ -200,6 +211,9 @@ class Prefetcher:
 
     def stop(self, wait: float = 0.0) -> None:
         """Stop the thread (at most ``wait`` seconds for it to finish) and drop its batches."""
+        if self._peeked is not None:  # made again when asked for
+            self._peeked = None
+            self.position -= 1
         if self._stop is not None:
             self._stop.set()
         if wait and self._thread is not None:

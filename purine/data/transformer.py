@@ -77,8 +77,9 @@ class Transformer:
             got = self.output_shape(shape, where(idx[0]))
             if got != out.shape[1:]:
                 raise DataError(f"{where(idx[0])}: image (channels, height, width) = {shape} "
-                                f"gives {got}; the layer's top takes {out.shape[1:]} (its "
-                                "first record's size): every record must have that size")
+                                f"gives {got}; its batch takes {out.shape[1:]} (the batch's "
+                                "first record's size): the records of one batch must have "
+                                "one size, as in Caffe")
         mirror = (rng.integers(0, 2, size=n).astype(bool) if self.mirror
                   else np.zeros(n, bool))
         if self.crop:

@@ -60,9 +60,9 @@ class Net(caffe_net.Net):
     # -- pycaffe's views of the layers --------------------------------------------------
     @property
     def layers(self) -> list[Any]:
-        out = []
-        for L in self.builder.layers:
-            obj = python_layers.layer_object(L, self.dispatcher.array)
+        out, b = [], self.whole
+        for L in b.layers:
+            obj = python_layers.layer_object(L, b.dispatcher.array)
             out.append(obj if obj is not None
                        else LayerView(L.name, L.type, self.params.get(L.name, [])))
         return out
@@ -81,15 +81,15 @@ class Net(caffe_net.Net):
 
     @property
     def top_names(self) -> OrderedDict[str, list[str]]:
-        return OrderedDict((L.name, list(L.param.top)) for L in self.builder.layers)
+        return OrderedDict((L.name, list(L.param.top)) for L in self.whole.layers)
 
     @property
     def bottom_names(self) -> OrderedDict[str, list[str]]:
-        return OrderedDict((L.name, list(L.param.bottom)) for L in self.builder.layers)
+        return OrderedDict((L.name, list(L.param.bottom)) for L in self.whole.layers)
 
     @property
     def blob_loss_weights(self) -> OrderedDict[str, float]:
-        weights = {L.param.top[j]: w for L in self.builder.layers
+        weights = {L.param.top[j]: w for L in self.whole.layers
                    for j, w in enumerate(L.loss_weights)}
         return OrderedDict((n, float(weights.get(n, 0.0))) for n in self.blobs)
 

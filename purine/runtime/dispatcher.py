@@ -156,11 +156,15 @@ class Dispatcher:
     def _held(self) -> dict[tuple, int]:
         return self.store.held
 
-    def array(self, blob: Blob) -> Any:
+    def _sync(self) -> None:
         if self._generation != self.store.generation:
             # Another build's blob outgrew a buffer this one had views of: make them anew.
             self.arrays.clear()
             self._bound.clear()
+            self._generation = self.store.generation
+
+    def array(self, blob: Blob) -> Any:
+        self._sync()
         a = self.arrays.get(blob)
         if a is None:
             key = self._storage.get(blob)
@@ -288,6 +292,7 @@ class Dispatcher:
 
     def run_sequential(self, ops: Sequence[Op] | None = None) -> None:
         """Run in program order in the calling thread: the reference schedule."""
+        self._sync()
         plan = self._plan(ops)
         self._fence_in(plan)
         for op in plan.ops:
@@ -313,6 +318,7 @@ class Dispatcher:
             self._fence.update({s: record(s) for s in plan.streams})
 
     def run(self, ops: Sequence[Op] | None = None) -> None:
+        self._sync()
         plan = self._plan(ops)
         if len(plan.locations) <= 1:
             # One worker: program order is already an order in which every op is ready.

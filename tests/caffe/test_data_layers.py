@@ -219,6 +219,39 @@ def test_record_of_another_size(tmp_path):
     assert "record '00000003': crop_size 7 is larger than the image" in str(err)
 
 
+def test_each_batch_takes_its_first_records_size(tmp_path):
+    # Caffe's DataLayer reshapes to each batch's first record: a batch of one takes any size,
+    # and a net after the layer follows (here a convolution and a global pooling).
+    sizes = [(3, 8, 8), (3, 6, 9), (3, 8, 8), (3, 5, 7)]
+    imgs = [images(1, s, seed=i)[0] for i, s in enumerate(sizes)]
+    db = write_lmdb(tmp_path / "db", [raw_datum(im, i) for i, im in enumerate(imgs)])
+    conv = ('layer { name: "conv" type: "Convolution" bottom: "data" top: "conv" '
+            'convolution_param { num_output: 2 kernel_size: 3 weight_filler { type: "gaussian" '
+            'std: 0.1 } } } layer { name: "pool" type: "Pooling" bottom: "conv" top: "pool" '
+            'pooling_param { pool: AVE global_pooling: true } }')
+    net = Net(data_layer(db, batch=1) + conv, phase=TEST, dtype="float64")
+    w, b = net.params["conv"][0].data, net.params["conv"][1].data
+    for k in range(6):  # wrapping: the first record again
+        im = imgs[k % 4].astype(np.float64)
+        out = net.forward()
+        np.testing.assert_array_equal(net.blobs["data"].data, im[None])
+        assert net.blobs["conv"].shape == (1, 2, im.shape[1] - 2, im.shape[2] - 2)
+        win = np.lib.stride_tricks.sliding_window_view(im, (3, 3), axis=(1, 2))
+        conv_ref = np.einsum("chwij,ocij->ohw", win, w) + b[:, None, None]
+        np.testing.assert_allclose(out["pool"].ravel(), conv_ref.mean(axis=(1, 2)), rtol=1e-12)
+    assert len(net.builds()) == 3  # one per size, made once
+    # Records of one batch must agree with its first: batches of two, the second mixing.
+    sizes = [(3, 8, 8), (3, 8, 8), (3, 5, 7), (3, 6, 6)]
+    db2 = write_lmdb(tmp_path / "db2", [raw_datum(images(1, s, seed=i)[0], i)
+                                        for i, s in enumerate(sizes)])
+    net2 = data_net(db2, batch=2)
+    net2.forward()
+    assert net2.blobs["data"].shape == (2, 3, 8, 8)
+    err = forward_within(net2)
+    assert "record '00000003': image (channels, height, width) = (3, 6, 6) gives (3, 6, 6); " \
+           "its batch takes (3, 5, 7)" in str(err)
+
+
 def test_build_errors(tmp_path, raw_db):
     db, _ = raw_db
     with pytest.raises(LayerError, match="layer 'data' .*LMDB '.*nowhere' does not exist"):

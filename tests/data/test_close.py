@@ -115,16 +115,16 @@ def test_two_nets_on_one_lmdb_share_a_counted_environment(tmp_path):
         fresh.reader()
 
 
-def test_reshape_closes_the_data_layers_it_replaces(tmp_path):
+def test_reshape_keeps_the_data_layers_source_open_once(tmp_path):
     path = write_leveldb(tmp_path / "db")
     net = leveldb_net(path)
     assert labels(net, 1) == [[0, 1, 2]]
-    old = net.builder.stateful["data/cursor"]
-    net.reshape()
-    assert old.closed and net.builder.stateful["data/cursor"] is not old
-    assert labels(net, 1) == [[3, 4, 5]]  # the cursor goes on in the new layer
+    cursor = net.builder.stateful["data/cursor"]
+    net.reshape()  # every build of the net reads from the one source (LevelDB locks it)
+    assert not cursor.closed and net.builder.stateful["data/cursor"] is cursor
+    assert labels(net, 1) == [[3, 4, 5]]  # the cursor goes on
     net.close()
-    assert opens_now(path)
+    assert cursor.closed and opens_now(path)
 
 
 def test_a_net_that_fails_to_build_releases_its_data_layers(tmp_path):

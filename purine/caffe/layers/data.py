@@ -81,15 +81,34 @@ def _add_forward(L: LayerBuild, shapes: list[tuple[int, ...]],
 
 def _reuse(L: LayerBuild) -> bool:
     """In another build of the net (for other shapes) a data layer goes on reading from the
-    first build's source, whose batches keep their shapes: its forward op is made again over
-    that source, nothing is opened or logged again."""
+    first build's source: its forward op is made again over that source, for the batch
+    shapes the pass settled (Data and ImageData shape each batch by its first record, as
+    Caffe does) or the first build's; nothing is opened or logged again."""
     source = L.kept("cursor")
     if source is None:
         return False
-    first = L.net.base.layers[L.index]
-    tops = [L.top(i, t.shape) for i, t in enumerate(first.tops)]
+    shapes = L.decided() or [t.shape for t in L.net.base.layers[L.index].tops]
+    tops = [L.top(i, s) for i, s in enumerate(shapes)]
     L.forward(prefetch.fill_tops, [], tops, op_type=L.type, source=source)
+    if isinstance(source, prefetch.Prefetcher) and L.type in ("Data", "ImageData"):
+        L.settles(_BatchShapes(source))
     return True
+
+
+class _BatchShapes:
+    """The top shapes of a Data or ImageData layer at each pass: its next batch's, which
+    Caffe shapes by the batch's first record. It reads no bottom, so the net settles it
+    without running the layers before it first."""
+
+    reads_bottoms = False
+
+    def __init__(self, source: Prefetcher):
+        self.source = source
+
+    def before(self, bottoms: list) -> tuple[tuple[int, ...], ...]:
+        batch = self.source.peek()
+        arrays = getattr(batch, "arrays", batch)  # a batch made for a GPU, or host arrays
+        return tuple(tuple(a.shape) for a in arrays)
 
 
 def _data_backend(L: LayerBuild, p: pb.DataParameter) -> str:
@@ -140,6 +159,7 @@ def data_layer(L: LayerBuild):
     source = prefetch.Prefetcher(batches.reader, p.prefetch, f"layer '{L.name}'")
     L.keep_state("cursor", source)
     _add_forward(L, [(batch,) + shape] + ([(batch,)] if labels else []), source)
+    L.settles(_BatchShapes(source))
     return None
 
 
@@ -174,6 +194,7 @@ def image_data_layer(L: LayerBuild):
     source = prefetch.Prefetcher(batches.reader, 4, f"layer '{L.name}'")
     L.keep_state("cursor", source)
     _add_forward(L, [(batch,) + shape, (batch,)], source)
+    L.settles(_BatchShapes(source))
     return None
 
 
