@@ -149,6 +149,10 @@ class Scheme:
     total = 1
     root = True          # this process tests and writes snapshots and traces
     concurrent = False   # replicas run on concurrent workers (then one BLAS thread each)
+    # The train net may be built again for other shapes: what the scheme adds reads the
+    # parameters' gradients by name only (an all-reduce over ranks), no copy of the net
+    # is woven into its graph
+    shapes_may_change = False
     server: Location | None = None  # where the update ops run; None: the train net's location
 
     def __init__(self, description: str | None = None):
@@ -278,7 +282,8 @@ class Solver:
             self._check_regularization()
             self.trace_path: str | None = None  # write a Chrome trace of the next iteration
             scheme.rewrite(self, train_param, lv, tuple(st))
-            if scheme.description:  # replicas' ops are woven into the net's first build
+            if scheme.description and not scheme.shapes_may_change:
+                # replicas' ops are woven into the net's first build
                 self.net.frozen = (f"solver {self._where()}: the train net of a solver "
                                    f"training {scheme.description} cannot be built again "
                                    "for other shapes")
@@ -616,6 +621,8 @@ class Solver:
         keep = {x for x in b.graph.blobs.values() if "lr_mult" in x.meta}
         keep |= {h for u in t.updates for h in u.history} | {t.it, t.lr}
         keep |= {x for x, _ in b.loss_tops} | d.external | self.scheme.keep
+        if self.scheme.pass_ops:  # the scheme's ops, on the first build, read them by name
+            keep |= {b.param_grad(w) for w in b.learnable_params}
         keep |= {b.data[n] for n in net.outputs if n in b.data}
         keep |= {x for x in b.graph.blobs.values() if x.name in d.store.external}
         last = max(net._cuts, default=0)

@@ -201,6 +201,9 @@ class DataParallel(Scheme):
                 grads = {w.name: [b.param_grad(w)] for w in b.learnable_params}
                 self.pass_ops += nccl_reduce_ops(net.graph, grads, group, self.server)
             self.mpi.broadcast([net.dispatcher.array(w) for w in b.learnable_params])
+            # One replica per rank on the CPU: the exchange reads the gradients by name, so
+            # the net may be built again for other shapes, each rank's own at each pass.
+            self.shapes_may_change = self.count == 1 and group is None
 
     def _nccl_group(self, here: Location) -> NcclGroup:
         """This rank's GPUs in one NCCL communicator with every other rank's (collective):

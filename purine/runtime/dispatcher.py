@@ -71,7 +71,12 @@ class _Plan:
                                          for b in o.inputs + o.outputs)
                    or (not o.inputs and not o.outputs and o.location.host == host)]
         self.ops = tuple(ops)
-        deps = graph.dependencies(self.ops, storage)
+        # Hazards are those of storage: a planned blob's buffer, else the blob's name (the
+        # store's key), so that ops of several builds of one net, run in one sequence (a
+        # scheme's ops made on the first build after a later build's pass), are ordered.
+        storage = storage or {}
+        keys = {b: storage.get(b, b.name) for o in self.ops for b in o.inputs + o.outputs}
+        deps = graph.dependencies(self.ops, keys)
         # One process holding every host's share (host None) runs such a Copy as a copy.
         transfers = [o for o in self.ops if host is not None and crosses_hosts(o)]
         for a, b in zip(transfers, transfers[1:]):
