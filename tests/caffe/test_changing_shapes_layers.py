@@ -541,3 +541,33 @@ def test_a_test_net_changing_size_uses_the_train_nets_current_weights():
         assert len(tn.builds()) == 2
         # The weights moved between the checks: the test net saw each one.
         assert np.abs(seen[1] - seen[0]).max() > 1e-3 and np.abs(seen[2] - seen[1]).max() > 1e-3
+
+
+# -- 8. the trace of an iteration that changed build in its pass --------------------------------
+def test_the_trace_of_an_iteration_shows_both_parts_of_its_pass(tmp_path):
+    from tests.parallel.test_trace import load_trace
+
+    text = (f"net_param {{ {KEEP_NET} }}\nbase_lr: 0.1\nlr_policy: \"fixed\"\n"
+            "random_seed: 7\n")
+    with Solver(text, dtype="float64") as s:
+        for it, k in enumerate((2, 5)):  # the second pass moves to the build for 5 rows
+            x, t = inputs_keeping(k, seed=60 + it)
+            s.net.blobs["x"].data[...] = x
+            s.net.blobs["t"].data[...] = t
+            if it == 1:
+                s.trace_iteration(tmp_path / "trace.json")
+            else:
+                s.step(1)
+        _, ops, _ = load_trace(tmp_path / "trace.json")
+        names = [e["name"] for e in ops]
+        b = s.net.builder  # the build for 5 rows, where the pass ended
+        assert b.data["xk"].shape == (5, 4)
+        # Every op of the iteration once: the Python layer's forward (run in the build for
+        # the shapes its reshape gave), the rest of the forward pass, the backward pass and
+        # the update, in the order they ran.
+        want = b.forward_all + b.backward_all + s.update_ops
+        assert sorted(names) == sorted(op.name for op in want)
+        assert names.index("keep/Python") < names.index("ip/InnerProductForward") \
+            < names.index("ip/InnerProductBackwardWeight") < names.index("solver/ip[0]/update")
+        starts = [e["ts"] for e in ops]
+        assert starts == sorted(starts)
