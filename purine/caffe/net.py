@@ -995,15 +995,15 @@ class Net:
 
     def _owns(self, layer: str, k: int) -> bool:
         """Whether ``layer``'s parameter ``k`` is its own (not shared from another layer)."""
-        blob = self.params[layer][k]._data
-        return self.builder._param_uses[blob][0][0] == layer
+        b, blob = self._param(layer, k)
+        return b._param_uses[blob][0][0] == layer
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the parameters as a .caffemodel (temporary file, then rename): every layer
         with its own blobs, as Caffe's ToProto; a layer repeating a name has none."""
         # Layer by layer: a map by Caffe name would hand a repeat its namesake's blobs.
         chunks = net_chunks(self.model.name, [], {})
-        for L in self.builder.layers:
+        for L in self.whole.layers:
             if L.type != "Split":  # the net's own layers only
                 arrays = [to_host(v.data) for v in self.params.get(L.name, [])]
                 chunks += net_chunks("", [L.param], {L.param.name: arrays})
@@ -1013,7 +1013,7 @@ class Net:
         """Write the parameters as a .caffemodel.h5 in Caffe's layout (a group per layer
         name under ``data``; a shared blob is written by its owner only). Needs h5py."""
         layers = []
-        for L in self.builder.layers:
+        for L in self.whole.layers:
             # As in save(): the net's own layers only. A layer repeating a name (built as
             # "name#i") has no parameters, and its namesake's group stands for the name.
             if L.type == "Split" or L.name != L.param.name:
