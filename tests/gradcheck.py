@@ -59,6 +59,22 @@ def objective(net: Net, weights: dict[str, np.ndarray]) -> float:
     return total
 
 
+def numeric_gradient(loss, array: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """Central differences of ``loss()`` over each value of ``array`` (changed in place and
+    put back)."""
+    g = np.zeros_like(array)
+    flat, gflat = array.reshape(-1), g.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + eps
+        plus = loss()
+        flat[i] = old - eps
+        minus = loss()
+        flat[i] = old
+        gflat[i] = (plus - minus) / (2 * eps)
+    return g
+
+
 def check_gradients(
     layer: str,
     bottoms: dict[str, np.ndarray],
@@ -96,17 +112,7 @@ def check_gradients(
     analytic_params = {name: v.diff.copy() for name, v in params}
 
     def numeric(array: np.ndarray, restore=None) -> np.ndarray:
-        g = np.zeros_like(array)
-        flat, gflat = array.reshape(-1), g.reshape(-1)
-        for i in range(flat.size):
-            old = flat[i]
-            flat[i] = old + eps
-            plus = run()
-            flat[i] = old - eps
-            minus = run()
-            flat[i] = old
-            gflat[i] = (plus - minus) / (2 * eps)
-        return g
+        return numeric_gradient(run, array, eps)
 
     for n, got in analytic.items():
         want = numeric(inputs[n])

@@ -17,7 +17,7 @@ from purine.caffe.layers.python import Layer
 from purine.caffe.solver import Solver
 from purine.errors import LayerError, PurineError
 from purine.parallel import build_solver
-from tests.gradcheck import check_gradients, gaussian, layer_spec
+from tests.gradcheck import check_gradients, gaussian, layer_spec, numeric_gradient
 
 MODULE = __name__  # the Python layers below are looked up in this module
 GAUSS = 'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 }'
@@ -147,21 +147,6 @@ def euclidean(a: str, b: str, top: str = "loss") -> str:
 
 def weights(net: Net, layer: str = "ip") -> tuple[np.ndarray, np.ndarray]:
     return net.params[layer][0].data.copy(), net.params[layer][1].data.copy()
-
-
-def numeric_gradient(loss, array: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """Central differences of ``loss()`` over each value of ``array`` (changed in place)."""
-    g = np.zeros_like(array)
-    flat, gflat = array.reshape(-1), g.reshape(-1)
-    for i in range(flat.size):
-        old = flat[i]
-        flat[i] = old + eps
-        plus = loss()
-        flat[i] = old - eps
-        minus = loss()
-        flat[i] = old
-        gflat[i] = (plus - minus) / (2 * eps)
-    return g
 
 
 # -- 1. Filter with any count -----------------------------------------------------------------
