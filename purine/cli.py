@@ -253,7 +253,7 @@ def cmd_test(args: argparse.Namespace) -> int:
         else:
             log.warning("no --weights given: testing the net's initial weights")
         log.info("Running for %d iterations.", args.iterations)
-        weights = dict(net.builder.loss_tops)
+        weights = {b.name: w for b, w in net.builder.loss_tops}  # by name: any build
         sums: dict[str, np.ndarray] = {}
         loss = 0.0
         with Progress(args.iterations, "test", unit="batch", log=log) as progress:
@@ -270,7 +270,7 @@ def cmd_test(args: argparse.Namespace) -> int:
         n = max(1, args.iterations)
         log.info("Loss: %g", loss / n)
         for name, total in sums.items():
-            w = weights.get(net.builder.data[name], 0.0)
+            w = weights.get(net.builder.data[name].name, 0.0)
             for x in total / n:
                 extra = f" (* {w:g} = {w * x:g} loss)" if w else ""
                 log.info("%s = %g%s", name, x, extra)

@@ -31,7 +31,6 @@ class Timing:
 def time_net(net: Net, iterations: int, log: logging.Logger | None = None) -> Timing:
     """Run Caffe's benchmark on ``net`` and, given ``log``, print its lines."""
     info = log.info if log else (lambda *a: None)
-    d = net.dispatcher
     # The initial pass allocates the arrays and warms caches; it is outside every figure.
     info("Performing Forward")
     net.forward()
@@ -42,7 +41,7 @@ def time_net(net: Net, iterations: int, log: logging.Logger | None = None) -> Ti
     synchronize(net.location)  # GPU: the initial pass is done before the clock starts
     info("*** Benchmark begins ***")
     info("Testing for %d iterations.", iterations)
-    d.profile, d.trace = True, []
+    net.profile(True)  # every build's dispatcher: a pass may change build (shapes)
     fwd = bwd = 0.0
     per_iter = []
     try:
@@ -61,22 +60,22 @@ def time_net(net: Net, iterations: int, log: logging.Logger | None = None) -> Ti
             info("Iteration: %d forward-backward time: %g ms.", i + 1, per_iter[-1])
         total = (time.perf_counter() - start) * 1e3
     finally:
-        d.profile = False
+        events = net.profile(False)
     op_layer = {}
-    for L in net.builder.layers:
-        for op in L.forward_ops:
-            op_layer[op] = (L.name, 0)
-        for op in L.backward_ops:
-            op_layer[op] = (L.name, 1)
+    for b in net.builds():
+        for L in b.layers:
+            for op in L.forward_ops:
+                op_layer[op] = (L.name, 0)
+            for op in L.backward_ops:
+                op_layer[op] = (L.name, 1)
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for e in d.trace:
+    for e in events:
         if e.op in op_layer:
             name, which = op_layer[e.op]
             totals[name][which] += e.end - e.start
-    d.trace = []
     n = max(iterations, 1)
     layers = [(L.name, totals[L.name][0] * 1e3 / n, totals[L.name][1] * 1e3 / n)
-              for L in net.builder.layers]
+              for L in net.whole.layers]
     t = Timing(initial_loss, per_iter, fwd * 1e3 / n, bwd * 1e3 / n, layers, total)
     info("Average time per layer: ")
     for name, f, b in t.layers:

@@ -676,7 +676,6 @@ class Net:
                 key, old = next((key, b) for key, b in self._builds.items()
                                 if b is not self._first)
                 del self._builds[key]
-                old.dispatcher.set_memory_plan(None)  # its planned buffers are no longer held
                 old.dispatcher.close()
         self._use(found)
 

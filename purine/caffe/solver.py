@@ -625,8 +625,12 @@ class Solver:
             keep |= {b.param_grad(w) for w in b.learnable_params}
         keep |= {b.data[n] for n in net.outputs if n in b.data}
         keep |= {x for x in b.graph.blobs.values() if x.name in d.store.external}
-        last = max(net._cuts, default=0)
-        keep |= {x for L in b.layers[:last + 1] for op in L.forward_ops
+        # iter_size's accumulators: the passes of one iteration may run in several builds
+        keep |= {x for op in t.zero_ops for x in op.outputs}
+        # The layers up to the last one settling its shapes in the middle of a pass (a data
+        # layer's settle before any op runs)
+        mid = [c for c in net._cuts if getattr(net._settlers[c], "reads_bottoms", True)]
+        keep |= {x for L in b.layers[:max(mid, default=-1) + 1] for op in L.forward_ops
                  for x in op.inputs + op.outputs}
         plan = plan_memory(b.graph, ops, keep, loops)
         d.set_memory_plan(plan)
@@ -760,11 +764,11 @@ class Solver:
         log.info("Optimization Done.")
 
     def _log_outputs(self, net: Net, kind: str, values: dict[str, np.ndarray] | None) -> None:
-        weights = dict(net.builder.loss_tops)
+        weights = {b.name: w for b, w in net.builder.loss_tops}  # by name: any build
         k = 0
         for name in net.outputs:
             data = values[name] if values is not None else net.blobs[name].data
-            w = weights.get(net.builder.data[name], 0.0)
+            w = weights.get(net.builder.data[name].name, 0.0)
             for v in np.ravel(to_host(data)):
                 extra = f" (* {w:g} = {w * float(v):g} loss)" if w else ""
                 self.log.info("    %s net output #%d: %s = %g%s", kind, k, name, float(v), extra)

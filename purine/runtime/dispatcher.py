@@ -1,7 +1,8 @@
 """The event-driven dispatcher: an op is ready when the ops it depends on have finished;
 ready ops go to the worker thread of their location; a finished op releases its dependents.
 
-Storage belongs to the dispatcher: one array per blob, allocated on first use. Because every
+Storage: a blob's array is a view of its name's buffer in a Store (purine.runtime.memory),
+made on first use, which the dispatchers of one net's builds share. Because every
 conflicting pair of ops is ordered by a derived edge, the result never depends on how the
 workers interleave, and equals a sequential run in program order bit for bit.
 
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from purine.backend import activate, allocate, record, stream, wait
+from purine.backend import activate, record, stream, wait
 from purine.errors import PurineError
 from purine.graph import Blob, Graph, Location, Op
 from purine.runtime.memory import Buffer, MemoryPlan, Store, blob_nbytes
@@ -151,7 +152,6 @@ class Dispatcher:
         self._seen_streams: set[Location] = set()
         self.memory_plan: MemoryPlan | None = None
         self._storage: dict[Blob, Buffer] = {}  # the plan's blob -> buffer key
-        self._buffers: dict[Buffer, Any] = {}
         self.external: set[Blob] = set()  # blobs bound to storage from outside
         if memory_plan is not None:
             self.set_memory_plan(memory_plan)
@@ -175,13 +175,10 @@ class Dispatcher:
             key = self._storage.get(blob)
             if key is None:
                 a = self.store.view(blob)
-            else:  # a view of the buffer the plan shares
-                buf = self._buffers.get(key)
-                if buf is None:
-                    size = self.memory_plan.buffer_bytes[key]
-                    self.store.reserve(key.location, size, f"{key} (shared by blob "
-                                       f"'{blob.name}' and others)")
-                    buf = self._buffers[key] = allocate(key.location, (size,), "uint8")
+            else:  # a view of the buffer the plan shares (in the store, by its number)
+                size = self.memory_plan.buffer_bytes[key]
+                buf = self.store.flat(("plan", key.index, key.location.memory), key.location,
+                                      size, f"{key} (shared by blob '{blob.name}' and others)")
                 a = buf[:blob_nbytes(blob)].view(blob.dtype).reshape(blob.shape)
             self.arrays[blob] = a
         # A buffer grown for this blob held no other view of this graph's: ours stay good.
@@ -207,8 +204,6 @@ class Dispatcher:
         for b in storage:  # their own buffers are no longer needed
             if b not in self._storage:
                 self.store.release(b.name)
-        for k in self._buffers:
-            self.store.unreserve(k.location, self.memory_plan.buffer_bytes[k])
         touched = set(storage) | set(self._storage)
         for b in touched:
             self.arrays.pop(b, None)
@@ -216,7 +211,7 @@ class Dispatcher:
                        if touched.isdisjoint(o.inputs) and touched.isdisjoint(o.outputs)}
         if in_step:
             self._generation = self.store.generation
-        self.memory_plan, self._storage, self._buffers = plan, storage, {}
+        self.memory_plan, self._storage = plan, storage
         self._plans.clear()
 
     def bind(self, blob: Blob, array: Any) -> None:

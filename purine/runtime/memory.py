@@ -129,7 +129,7 @@ class Store:
     parameter another net owns) are kept as given."""
 
     def __init__(self) -> None:
-        self.buffers: dict[str, tuple[Any, Location]] = {}  # name -> flat uint8 buffer
+        self.buffers: dict[Any, tuple[Any, Location]] = {}  # name -> flat uint8 buffer
         self.external: dict[str, Any] = {}  # name -> an array bound from outside
         self.held: dict[tuple, int] = {}  # bytes allocated here, by memory space
         self.generation = 0
@@ -154,19 +154,27 @@ class Store:
                                   f"shape {tuple(bound.shape)}, which cannot change shape")
             return bound
         need = blob_nbytes(blob)
-        buf, _ = self.buffers.get(blob.name, (None, None))
-        if buf is None or buf.nbytes < need:
-            self.release(blob.name)
-            self.reserve(blob.location, need, f"blob '{blob.name}' {blob.shape} {blob.dtype}")
-            buf = allocate(blob.location, (need,), "uint8")
-            self.buffers[blob.name] = (buf, blob.location)
+        buf = self.flat(blob.name, blob.location, need,
+                        f"blob '{blob.name}' {blob.shape} {blob.dtype}")
         return buf[:need].view(blob.dtype).reshape(blob.shape)
+
+    def flat(self, key: Any, location: Location, need: int, what: str) -> Any:
+        """The flat buffer of ``key`` (a blob name, or a memory plan's buffer: the builds of
+        a net share the plan's buffers by number too), ``need`` bytes at least."""
+        buf, _ = self.buffers.get(key, (None, None))
+        if buf is None or buf.nbytes < need:
+            self.release(key)
+            self.reserve(location, need, what)
+            buf = allocate(location, (need,), "uint8")
+            self.buffers[key] = (buf, location)
+        return buf
 
     def bind(self, name: str, array: Any) -> None:
         self.release(name)
         self.external[name] = array
+        self.generation += 1  # views of what the name was bound to before go
 
-    def release(self, name: str) -> None:
+    def release(self, name: Any) -> None:
         """Forget a name's storage (made anew, zero, on the next use)."""
         self.external.pop(name, None)
         buf, location = self.buffers.pop(name, (None, None))

@@ -435,3 +435,67 @@ def test_labels_from_a_later_python_layer_follow_the_image_size(tmp_path, monkey
             assert_state(state(s), sgd(before, grads, it), f"iteration {it}")
             assert s.net.blobs["label"].shape == (1, 1, h, w)
             assert not read_back(s.net, it, {"data": image, "label": label, "loss": loss})
+
+
+# -- share_memory (the command line's default) across builds ---------------------------------
+@pytest.mark.parametrize("iter_size", [1, 2])
+def test_shared_memory_trains_through_the_sizes_as_without_it(tmp_path, monkeypatch,
+                                                               iter_size):
+    name, _ = layers(tmp_path, monkeypatch)
+    text = solver_text(python_data(name) + FCN, iter_size=iter_size)
+    runs = []
+    for share in (False, True):
+        with Solver(text, dtype="float64", share_memory=share) as s:
+            s.step(6)  # the accumulators of one iteration's passes span two builds
+            runs.append((state(s), len(s.net.builds()), dict(s.net._store.held)))
+    (plain, builds, held), (shared, shared_builds, shared_held) = runs
+    assert builds == shared_builds == 4
+    for n in plain:
+        for got, want in zip(shared[n], plain[n]):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15, err_msg=n)
+    # The plan's buffers are the builds' together (by number), not one set per build.
+    assert sum(shared_held.values()) < sum(held.values())
+
+
+def test_a_python_layers_writes_to_its_tops_in_reshape_reach_the_forward(tmp_path,
+                                                                         monkeypatch):
+    module = write_layers(tmp_path, monkeypatch, """
+import caffe
+
+class Writes(caffe.Layer):
+    def setup(self, bottom, top):
+        self.k = 2
+
+    def reshape(self, bottom, top):
+        top[0].reshape(1, 2 if self.k < 4 else 3)
+        top[0].data[...] = self.k  # Caffe keeps what reshape writes
+
+    def forward(self, bottom, top):
+        self.k += 1
+""")
+    caffe.install_as_caffe()
+    net = caffe.Net(f'layer {{ name: "w" type: "Python" top: "o" python_param {{ module: '
+                    f'"{module}" layer: "Writes" }} }} layer {{ name: "p" type: "Power" '
+                    'bottom: "o" top: "q" power_param { scale: 10 } }', caffe.TEST)
+    outs = [net.forward()["q"].copy() for _ in range(4)]
+    for got, k in zip(outs, (2, 3, 4, 5)):
+        np.testing.assert_array_equal(got, np.full((1, 2 if k < 4 else 3), 10.0 * k))
+
+
+def test_share_with_a_second_net_reaches_every_build(tmp_path, monkeypatch):
+    name, mod = layers(tmp_path, monkeypatch)
+    text = python_data(name) + FCN
+    a, b = (caffe.Net(text, caffe.TRAIN, seed=s) for s in (1, 2))
+    t = caffe.Net(text, caffe.TRAIN, seed=3)
+    for _ in range(3):  # three builds, each viewing its weights
+        t.forward()
+    t.share_with(a)
+    t.share_with(b)
+    for _ in range(3):
+        t.forward()
+        for layer, views in b.params.items():
+            for k, v in enumerate(views):
+                assert t.params[layer][k].data is v.data or np.array_equal(
+                    t.params[layer][k].data, v.data), (layer, k)
+    np.testing.assert_array_equal(t.params["conv1"][0].data, b.params["conv1"][0].data)
+    assert not np.array_equal(t.params["conv1"][0].data, a.params["conv1"][0].data)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-import purine.runtime.dispatcher as dispatcher_module
 import purine.runtime.memory as memory_module
 from purine.caffe.solver import Solver
 from purine.formats import caffe_pb2 as pb
@@ -21,8 +20,6 @@ GPU0, GPU1 = Location("gpu", 0), Location("gpu", 1)
 def host_memory(monkeypatch):
     import numpy as np
 
-    monkeypatch.setattr(dispatcher_module, "allocate",
-                        lambda loc, shape, dtype: np.zeros(shape, dtype))
     monkeypatch.setattr(memory_module, "allocate",
                         lambda loc, shape, dtype: np.zeros(shape, dtype))
 

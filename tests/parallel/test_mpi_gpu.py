@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import purine.parallel.nccl as nccl_module
-import purine.runtime.dispatcher as dispatcher_module
 import purine.runtime.memory as memory_module
 from purine.backend import gpu_unavailable
 from purine.caffe.solver import Solver
@@ -216,8 +215,6 @@ def nccl(monkeypatch) -> FakeNccl:
 
 @pytest.fixture
 def host_memory(monkeypatch):
-    monkeypatch.setattr(dispatcher_module, "allocate",
-                        lambda loc, shape, dtype: np.zeros(shape, dtype))
     monkeypatch.setattr(memory_module, "allocate",
                         lambda loc, shape, dtype: np.zeros(shape, dtype))
 

@@ -107,8 +107,6 @@ def fake(monkeypatch):
     f = FakeStreams()
     for name in ("activate", "record", "wait", "stream"):
         monkeypatch.setattr(dispatcher_module, name, getattr(f, name))
-    monkeypatch.setattr(dispatcher_module, "allocate",
-                        lambda loc, shape, dtype: np.zeros(shape, dtype))
     monkeypatch.setattr(memory_module, "allocate",
                         lambda loc, shape, dtype: np.zeros(shape, dtype))
     return f

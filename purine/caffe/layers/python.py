@@ -349,6 +349,9 @@ def python_layer(L: LayerBuild):
         for w, a in zip(inst.blobs, arrays[nb:nb + nk]):
             w._bind(a)
         for w, a in zip(tops, arrays[nb + nk:]):
+            if inst.settled and w._data is not None and w._data is not a \
+                    and w._data.shape == a.shape:
+                a[...] = w._data  # what reshape() wrote in the top (Caffe keeps it)
             w._bind(a)
         if not inst.settled:
             # Run outside a pass that settles shapes (a data-parallel replica, a worker of
