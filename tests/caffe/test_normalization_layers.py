@@ -8,7 +8,7 @@ import pytest
 
 from purine.caffe import TEST, TRAIN, Net
 from purine.errors import LayerError
-from tests.gradcheck import check_gradients, layer_net, objective
+from tests.gradcheck import check_gradients, layer_net, numeric_gradient, objective
 
 F32_EPS = float(np.float32(1e-5))  # eps and moving_average_fraction are proto floats
 F32_MAF = float(np.float32(0.999))
@@ -40,15 +40,7 @@ def _check_net(net: Net, inputs: dict[str, np.ndarray], tops: list[str],
 
     arrays = {**inputs, **{pk: net.params[pk[0]][pk[1]].data for pk in params}}
     for key, array in arrays.items():
-        flat, want = array.reshape(-1), np.zeros(array.size)
-        for i in range(flat.size):
-            old = flat[i]
-            flat[i] = old + eps
-            plus = run()
-            flat[i] = old - eps
-            minus = run()
-            flat[i] = old
-            want[i] = (plus - minus) / (2 * eps)
+        want = numeric_gradient(run, array, eps).reshape(-1)
         np.testing.assert_allclose(analytic[key].reshape(-1), want, rtol=1e-5, atol=1e-7,
                                    err_msg=f"gradient of {key}")
     net.forward(**inputs)  # leave the unperturbed outputs for the caller
