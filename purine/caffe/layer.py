@@ -109,20 +109,26 @@ def register(*types: str) -> Callable[[Builder], Builder]:
     return deco
 
 
-class Settler(Protocol):
-    """A layer whose top shapes are settled by each pass, right before its forward op runs
-    (Caffe calls every layer's Reshape there; for most layers the shapes follow from the
-    bottoms' and the net's graph for them is made once, but a Python layer's ``reshape``
-    or Filter's selector decide them from what the pass computed).
+class Settler:
+    """How a layer whose top shapes each pass settles finds them, right before its forward
+    op runs (Caffe calls every layer's Reshape there; for most layers the shapes follow
+    from the bottoms' and the net's graph for them is made once, but a Python layer's
+    ``reshape``, Filter's selector or a data layer's next batch decide them).
 
-    ``before(bottoms)`` gets the bottoms' arrays and returns the top shapes; ``after()``,
-    once the forward op has run, returns the top shapes and arrays where the forward op
-    gave its tops other shapes (a Python layer may reshape a top in ``forward``), else
-    None."""
+    ``before(bottoms)`` gets the bottoms' arrays (computed by the pass so far; none where
+    ``reads_bottoms`` is false, and then the layers before it need not run first) and
+    returns the top shapes. Where ``reshapes_in_forward``, the layer's forward op runs on
+    its own and ``after()`` then returns the top shapes and arrays if the op gave its tops
+    other shapes (a Python layer may reshape a top in ``forward``), else None."""
 
-    def before(self, bottoms: list[Any]) -> tuple[tuple[int, ...], ...]: ...
+    reads_bottoms = True
+    reshapes_in_forward = False
 
-    def after(self) -> tuple[tuple[tuple[int, ...], ...], list[Any]] | None: ...
+    def before(self, bottoms: list[Any]) -> tuple[tuple[int, ...], ...]:
+        raise NotImplementedError
+
+    def after(self) -> tuple[tuple[tuple[int, ...], ...], list[Any]] | None:
+        return None
 
 
 class LayerBuild:

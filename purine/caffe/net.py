@@ -535,6 +535,8 @@ class Net:
         # Why this net's graph cannot be built again for other shapes (a solver's scheme
         # wove replicas into it), or None
         self.frozen: str | None = None
+        self._profiling = False  # the dispatchers' profiler, for builds made while it is on
+        self._first_inputs: dict[str, tuple[int, ...]] = {}  # the first build's input shapes
         self.closed = False
         self._build()
         if weights is not None:
@@ -551,7 +553,7 @@ class Net:
                        replica_of=self._replica_of, location=self.location,
                        base=first, decided=decided, upto=upto)
         b.dispatcher = Dispatcher(b.graph, host=self.host, store=self._store,
-                                  profile=getattr(self, "_profiling", False))
+                                  profile=self._profiling)
         b.dispatcher.transport = self.dispatcher.transport if first is not None else None
         b.storage = b.dispatcher.array
         b.prefix = (self._inputs_key(),) + tuple(
@@ -598,9 +600,8 @@ class Net:
 
     # -- builds ------------------------------------------------------------------------
     def _inputs_key(self) -> tuple:
-        first = getattr(self, "_first_inputs", {})
         return tuple(sorted((n, s) for n, s in self._input_shapes.items()
-                            if s != first.get(n)))
+                            if s != self._first_inputs.get(n)))
 
     def _use(self, b: NetBuilder) -> None:
         self._builds.move_to_end((b.prefix, b.upto))
@@ -701,26 +702,15 @@ class Net:
             if not lo <= c <= hi:
                 continue
             settler = self._settlers[c]
+            # A settler that reads no bottom (a data layer's) is settled without running the
+            # layers before it first: they have the same shapes in either build.
+            if settler.reads_bottoms and start < c:
+                self.dispatcher.run(self._ops(start, c))
+                start = c
+            shapes = self._shapes_of(c)
             layer = self.layer_names[c]
-            bottoms = []
-            if getattr(settler, "reads_bottoms", True):  # what the pass computed so far
-                if start < c:
-                    self.dispatcher.run(self._ops(start, c))
-                    start = c
-                bottoms = [self.dispatcher.array(self.builder.data[n])
-                           for n in self.model_layer(c).bottom]
-            # (A settler that reads no bottom, a data layer's, is settled without running
-            # the layers before it first: they have the same shapes in either build.)
-            try:
-                shapes = settler.before(bottoms)
-            except PurineError as e:  # named as the op's errors are, unless it names a layer
-                ops = self._first.layers[c].forward_ops
-                if ops and not isinstance(e, LayerError):
-                    e.args = (f"op '{ops[-1].name}': {e}",) + e.args[1:]
-                raise
             what = f"layer '{layer}' gives its tops the shapes {_show(shapes)}"
-            after = getattr(settler, "after", None)
-            if after is None:
+            if not settler.reshapes_in_forward:
                 self._settle(k, shapes, what)
                 continue
             # The layer's forward may give its tops other shapes (a Python layer's forward
@@ -730,7 +720,7 @@ class Net:
             self._settle(k, shapes, what, need=c + 1)
             self.dispatcher.run(self._ops(start, c + 1))
             start = c + 1
-            moved = after()
+            moved = settler.after()
             if moved is not None and moved[0] != shapes:
                 self._settle(k, moved[0], f"layer '{layer}' gives its tops the shapes "
                              f"{_show(moved[0])} in forward")
@@ -743,6 +733,20 @@ class Net:
             ops = ops + tail()
         if ops:
             self.dispatcher.run(ops)
+
+    def _shapes_of(self, c: int) -> tuple:
+        """Cut layer ``c``'s top shapes for this pass, from its settler (given the bottoms
+        the pass computed, where it reads them); its errors named as the op's are."""
+        settler = self._settlers[c]
+        bottoms = [self.dispatcher.array(self.builder.data[n])
+                   for n in self.model_layer(c).bottom] if settler.reads_bottoms else []
+        try:
+            return settler.before(bottoms)
+        except PurineError as e:
+            ops = self._first.layers[c].forward_ops
+            if ops and not isinstance(e, LayerError):
+                e.args = (f"op '{ops[-1].name}': {e}",) + e.args[1:]
+            raise
 
     @property
     def whole(self) -> NetBuilder:
@@ -914,9 +918,7 @@ class Net:
         self._check_open()
         self.reshape_if_needed()
         for k, c in enumerate(self._cuts):
-            bottoms = [self.dispatcher.array(self.builder.data[n])
-                       for n in self.model_layer(c).bottom]
-            shapes = self._settlers[c].before(bottoms)
+            shapes = self._shapes_of(c)
             self._settle(k, shapes, f"layer '{self.layer_names[c]}' gives its tops the "
                          f"shapes {_show(shapes)}")
 

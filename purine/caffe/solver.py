@@ -620,16 +620,16 @@ class Solver:
             loops = []
         keep = {x for x in b.graph.blobs.values() if "lr_mult" in x.meta}
         keep |= {h for u in t.updates for h in u.history} | {t.it, t.lr}
-        keep |= {x for x, _ in b.loss_tops} | d.external | self.scheme.keep
+        keep |= {x for x, _ in b.loss_tops} | self.scheme.keep
         if self.scheme.pass_ops:  # the scheme's ops, on the first build, read them by name
             keep |= {b.param_grad(w) for w in b.learnable_params}
         keep |= {b.data[n] for n in net.outputs if n in b.data}
-        keep |= {x for x in b.graph.blobs.values() if x.name in d.store.external}
+        keep |= {x for x in b.graph.blobs.values() if x.name in d.store.external}  # bound
         # iter_size's accumulators: the passes of one iteration may run in several builds
         keep |= {x for op in t.zero_ops for x in op.outputs}
         # The layers up to the last one settling its shapes in the middle of a pass (a data
         # layer's settle before any op runs)
-        mid = [c for c in net._cuts if getattr(net._settlers[c], "reads_bottoms", True)]
+        mid = [c for c in net._cuts if net._settlers[c].reads_bottoms]
         keep |= {x for L in b.layers[:max(mid, default=-1) + 1] for op in L.forward_ops
                  for x in op.inputs + op.outputs}
         plan = plan_memory(b.graph, ops, keep, loops)

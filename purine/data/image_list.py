@@ -14,7 +14,7 @@ import numpy as np
 from purine.data import DataError
 from purine.data.datum import Image, check_depth
 from purine.data.prefetch import Batch, BufferPool, PooledBatches, stream_batch
-from purine.data.transformer import Shape, Transformer
+from purine.data.transformer import Transformer
 
 _LINE = re.compile(r"(.*)\s(\S+)")  # path, then the label after the last whitespace
 _SHUFFLE = 0x5E1F  # keeps the epoch permutations' streams apart from the transforms'
@@ -104,10 +104,10 @@ class ImageBatches(PooledBatches):
     """Batch k of replica r of R holds stream positions [skip + (k*R + r)*batch_size, ...)."""
 
     def __init__(self, images: ImageList, batch_size: int, transformer: Transformer,
-                 shape: Shape, *, dtype: str, seed: int, index: int,
+                 *, dtype: str, seed: int, index: int,
                  replica: tuple[int, int] = (0, 1), skip: int = 0):
         self.images, self.batch_size, self.transformer = images, batch_size, transformer
-        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.dtype = np.dtype(dtype)
         self.seed, self.index, self.replica, self.skip = seed, index, replica, skip
 
     def read(self, k: int, pool: BufferPool) -> Batch:

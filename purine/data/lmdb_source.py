@@ -17,7 +17,7 @@ import numpy as np
 from purine.data import DataError
 from purine.data.datum import datum_image, decode_flag, parse_datum, show_key
 from purine.data.prefetch import Batch, BufferPool, data_span, stream_batch
-from purine.data.transformer import Shape, Transformer
+from purine.data.transformer import Transformer
 
 
 class SharedHandles:
@@ -209,10 +209,10 @@ class DatumBatches:
     thread its ``read(k)``."""
 
     def __init__(self, source: DatumSource, batch_size: int,
-                 transformer: Transformer, shape: Shape, *, labels: bool, dtype: str,
+                 transformer: Transformer, *, labels: bool, dtype: str,
                  seed: int, index: int, replica: tuple[int, int] = (0, 1), skip: int = 0):
         self.source, self.batch_size, self.transformer = source, batch_size, transformer
-        self.shape, self.labels, self.dtype = shape, labels, np.dtype(dtype)
+        self.labels, self.dtype = labels, np.dtype(dtype)
         self.seed, self.index, self.replica, self.skip = seed, index, replica, skip
         self.flag = decode_flag(transformer.force_color, transformer.force_gray)
 

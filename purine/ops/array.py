@@ -286,8 +286,7 @@ def _selected_first(selector: Array) -> tuple[Array, Array]:
 def filter_count(selector: Array) -> int:
     """How many items ``selector`` selects (its nonzero values, NaN included): Filter's
     top count, which the net settles before the forward op (a host sync on a GPU)."""
-    xp = get_array_module(selector)
-    return int(xp.count_nonzero(selector.reshape(-1) != 0))
+    return int(get_array_module(selector).count_nonzero(selector))
 
 
 def filter_forward(*arrays: Array, bottoms: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from purine.caffe.layer import LayerBuild, register
+from purine.caffe.layer import LayerBuild, Settler, register
 from purine.caffe.layers.common import canonical_axis
 from purine.formats import caffe_pb2 as pb
 from purine.graph import Blob
@@ -432,7 +432,7 @@ def parameter(L: LayerBuild):
     return backward
 
 
-class _FilterCount:
+class _FilterCount(Settler):
     """Filter's top shapes at each pass: as many items as the selector (the last bottom)
     selects, the other axes the bottoms'."""
 

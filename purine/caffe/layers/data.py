@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from purine.caffe.layer import LayerBuild, register
+from purine.caffe.layer import LayerBuild, Settler, register
 from purine.data import (
     DataError,
     datum,
@@ -71,31 +71,32 @@ def _skip(L: LayerBuild, rand_skip: int) -> int:
     return int(np.random.default_rng([L.net.seed, L.index, _SKIP]).integers(rand_skip))
 
 
-def _add_forward(L: LayerBuild, shapes: list[tuple[int, ...]],
-                 source: Prefetcher | MemoryFeed) -> None:
+def _add_forward(L: LayerBuild, shapes: Sequence[tuple[int, ...]],
+                 source: Prefetcher | MemoryFeed, log: bool = True) -> None:
+    """The forward op writing ``source``'s batches into tops of ``shapes``. Data and
+    ImageData shape each batch by its first record, as Caffe does: the pass settles their
+    tops from the next batch."""
     tops = [L.top(i, s) for i, s in enumerate(shapes)]
     L.forward(prefetch.fill_tops, [], tops, op_type=L.type, source=source)
-    log = get_logger()
-    log.info("output data size: %s", ",".join(str(d) for d in shapes[0]))
+    if L.type in ("Data", "ImageData"):
+        L.settles(_BatchShapes(source))
+    if log:
+        get_logger().info("output data size: %s", ",".join(str(d) for d in shapes[0]))
 
 
 def _reuse(L: LayerBuild) -> bool:
     """In another build of the net (for other shapes) a data layer goes on reading from the
     first build's source: its forward op is made again over that source, for the batch
-    shapes the pass settled (Data and ImageData shape each batch by its first record, as
-    Caffe does) or the first build's; nothing is opened or logged again."""
+    shapes the pass settled or the first build's; nothing is opened or logged again."""
     source = L.kept("cursor")
     if source is None:
         return False
     shapes = L.decided() or [t.shape for t in L.net.base.layers[L.index].tops]
-    tops = [L.top(i, s) for i, s in enumerate(shapes)]
-    L.forward(prefetch.fill_tops, [], tops, op_type=L.type, source=source)
-    if isinstance(source, prefetch.Prefetcher) and L.type in ("Data", "ImageData"):
-        L.settles(_BatchShapes(source))
+    _add_forward(L, shapes, source, log=False)
     return True
 
 
-class _BatchShapes:
+class _BatchShapes(Settler):
     """The top shapes of a Data or ImageData layer at each pass: its next batch's, which
     Caffe shapes by the batch's first record. It reads no bottom, so the net settles it
     without running the layers before it first."""
@@ -154,12 +155,11 @@ def data_layer(L: LayerBuild):
     get_logger().info("Opened %s %s", backend, src.path)
     labels = len(L.param.top) > 1
     batches = lmdb_source.DatumBatches(
-        src, batch, tf, shape, labels=labels, dtype=L.net.dtype, seed=L.net.seed,
+        src, batch, tf, labels=labels, dtype=L.net.dtype, seed=L.net.seed,
         index=L.index, replica=L.net.replica, skip=_skip(L, p.rand_skip))
     source = prefetch.Prefetcher(batches.reader, p.prefetch, f"layer '{L.name}'")
     L.keep_state("cursor", source)
     _add_forward(L, [(batch,) + shape] + ([(batch,)] if labels else []), source)
-    L.settles(_BatchShapes(source))
     return None
 
 
@@ -188,13 +188,12 @@ def image_data_layer(L: LayerBuild):
         shape = tf.output_shape(images.image(entry).shape, images.where(entry))
     except DataError as e:
         raise L.error(str(e)) from None
-    batches = image_list.ImageBatches(images, batch, tf, shape, dtype=L.net.dtype,
+    batches = image_list.ImageBatches(images, batch, tf, dtype=L.net.dtype,
                                       seed=L.net.seed, index=L.index, replica=L.net.replica,
                                       skip=skip)
     source = prefetch.Prefetcher(batches.reader, 4, f"layer '{L.name}'")
     L.keep_state("cursor", source)
     _add_forward(L, [(batch,) + shape, (batch,)], source)
-    L.settles(_BatchShapes(source))
     return None
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from purine.backend import to_host
-from purine.caffe.layer import LayerBuild, LegacyAxes, register
+from purine.caffe.layer import LayerBuild, LegacyAxes, Settler, register
 from purine.errors import LayerError
 from purine.formats import caffe_pb2 as pb
 from purine.graph import Blob
@@ -139,10 +139,12 @@ class Layer:
                                   "backward(top, propagate_down, bottom)")
 
 
-class _Instance:
+class _Instance(Settler):
     """One Python layer in one net, the same in all its builds: the user's object and the
     blob objects it is handed. As a Settler, it settles the layer's top shapes at each pass:
     ``reshape`` before the forward op, and what ``forward`` reshaped after it."""
+
+    reshapes_in_forward = True
 
     def __init__(self, layer: str, obj: Any, where: str, bottoms: list[PyBlob],
                  tops: list[PyBlob], blobs: list[PyBlob]):
