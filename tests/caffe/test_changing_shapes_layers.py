@@ -267,6 +267,15 @@ def inputs_keeping(k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return x, rng.standard_normal((6, 2))
 
 
+def step_keeping(s: Solver, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """One solver step on inputs keeping ``k`` rows; returns the inputs."""
+    x, t = inputs_keeping(k, seed)
+    s.net.blobs["x"].data[...] = x
+    s.net.blobs["t"].data[...] = t
+    s.step(1)
+    return x, t
+
+
 def keep_reference(x, t, w, b):
     """The net's loss and its gradients w.r.t. x, W and b, in numpy."""
     kept = x[:, 0] > 0
@@ -333,10 +342,7 @@ def test_a_solver_trains_through_a_python_layer_whose_count_changes():
         hw, hb = np.zeros_like(w), np.zeros_like(b)
         rows = []
         for it, k in enumerate((2, 5, 3, 6, 1)):
-            x, t = inputs_keeping(k, seed=40 + it)
-            s.net.blobs["x"].data[...] = x
-            s.net.blobs["t"].data[...] = t
-            s.step(1)
+            x, t = step_keeping(s, k, seed=40 + it)
             want, _, gw, gb = keep_reference(x, t, w, b)
             assert s.net.loss == pytest.approx(want, rel=1e-12), it
             rows.append(s.net.blobs["xk"].shape[0])
@@ -357,10 +363,7 @@ def test_a_solver_trains_on_a_count_it_had_before_its_buffers_grew():
     with Solver(text, dtype="float64") as s:
         w, b = weights(s.net)
         for it, k in enumerate((2, 6, 2, 6, 2)):
-            x, t = inputs_keeping(k, seed=60 + it)
-            s.net.blobs["x"].data[...] = x
-            s.net.blobs["t"].data[...] = t
-            s.step(1)
+            x, t = step_keeping(s, k, seed=60 + it)
             want, _, gw, gb = keep_reference(x, t, w, b)
             assert s.net.loss == pytest.approx(want, rel=1e-12), it
             kept = x[:, 0] > 0

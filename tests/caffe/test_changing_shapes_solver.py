@@ -130,14 +130,18 @@ def inputs(h: int, w: int, label: tuple[int, int] | None = None) -> str:
             f"shape {{ dim: 1 dim: 1 dim: {lh} dim: {lw} }} }} }}\n")
 
 
-# A small FCN: a stride-2 convolution, a 1x1 score, a stride-2 Deconvolution back up, a Crop
-# against the image, and a per-pixel SoftmaxWithLoss; no weight depends on the image size.
-FCN = f'''
+# The score map both nets below start with: a stride-2 convolution and a 1x1 score.
+TRUNK = f'''
 layer {{ name: "conv1" type: "Convolution" bottom: "data" top: "conv1" {PARAMS}
   convolution_param {{ num_output: 4 kernel_size: 3 stride: 2 pad: 1 {FILL} }} }}
 layer {{ name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }}
 layer {{ name: "score" type: "Convolution" bottom: "conv1" top: "score" {PARAMS}
   convolution_param {{ num_output: {CLASSES} kernel_size: 1 {FILL} }} }}
+'''
+
+# A small FCN: a stride-2 convolution, a 1x1 score, a stride-2 Deconvolution back up, a Crop
+# against the image, and a per-pixel SoftmaxWithLoss; no weight depends on the image size.
+FCN = TRUNK + f'''
 layer {{ name: "up" type: "Deconvolution" bottom: "score" top: "up"
   param {{ lr_mult: 1 decay_mult: 1 }}
   convolution_param {{ num_output: {CLASSES} kernel_size: 4 stride: 2 bias_term: false
@@ -150,15 +154,10 @@ layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "cropped" bottom: "label" 
 # Faster R-CNN's pattern: the labels come from a Python layer after the score map, which
 # settles their shape; the loss propagates to the scores only, ignores label -1 and
 # normalizes by the valid cells.
-DETECT = f'''
-layer {{ name: "conv1" type: "Convolution" bottom: "data" top: "conv1" {PARAMS}
-  convolution_param {{ num_output: 4 kernel_size: 3 stride: 2 pad: 1 {FILL} }} }}
-layer {{ name: "relu1" type: "ReLU" bottom: "conv1" top: "conv1" }}
-layer {{ name: "score" type: "Convolution" bottom: "conv1" top: "score" {PARAMS}
-  convolution_param {{ num_output: {CLASSES} kernel_size: 1 {FILL} }} }}
-{{targets}}
-layer {{ name: "loss" type: "SoftmaxWithLoss" bottom: "score" bottom: "label" top: "loss"
-  propagate_down: 1 propagate_down: 0 loss_param {{ ignore_label: -1 normalize: true }} }}
+DETECT = TRUNK + '''
+{targets}
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "score" bottom: "label" top: "loss"
+  propagate_down: 1 propagate_down: 0 loss_param { ignore_label: -1 normalize: true } }
 '''
 
 
