@@ -457,6 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
           help="write the two LMDBs and exit (--dir examples/mnist: models/lenet's data)")
     p.set_defaults(run=cmd_demo)
 
+    sub.add_parser("python", help="run a pycaffe script, module (-m) or notebook kernel with "
+                                  "`import caffe` giving purine-caffe (purine-caffe python -h)",
+                   add_help=False)
+
     p = sub.add_parser("device_query", help="show the devices purine-caffe can use")
     _flag(p, "gpu", default=None, help="GPU ids to query")
     p.set_defaults(run=cmd_device_query)
@@ -464,6 +468,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["python"]:  # its arguments are Python's, not argparse's
+        from purine.pycaffe import run
+
+        return run.main(argv[1:])
     args = build_parser().parse_args(argv)
     # A user's Python layer module that says `import caffe` gets the whole pycaffe face,
     # as in Caffe's own tool (importing purine.pycaffe registers it with the builder).

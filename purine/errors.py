@@ -48,6 +48,24 @@ class LabelError(PurineError):
     time by a loss kernel)."""
 
 
+USER_CODE = "purine_raised_in"
+"""The attribute ``from_user_code`` sets on an exception a user's own code raised."""
+
+
+def from_user_code(e: BaseException, where: str) -> BaseException:
+    """A user's code (a Python layer's method) raised ``e``: it keeps its own type, as
+    Caffe's caller sees it, with a note saying where (``where``) it came from; commands print
+    it as one line. Returns ``e`` to re-raise."""
+    if getattr(e, USER_CODE, None) is None:
+        try:
+            setattr(e, USER_CODE, where)
+        except AttributeError:  # an exception type that takes no attributes
+            return e
+        if hasattr(e, "add_note"):  # Python 3.11+: shown under the traceback
+            e.add_note(f"raised in {where}")
+    return e
+
+
 def run_reporting(prog: str, run: Callable[[], int]) -> int:
     """Run a command: a user's error (a PurineError, or an OSError such as an unwritable
     output) becomes one line on stderr and exit code 1; Ctrl-C exit code 130. Floating-point
@@ -59,6 +77,13 @@ def run_reporting(prog: str, run: Callable[[], int]) -> int:
             return run()
     except (PurineError, OSError) as e:
         print(f"{prog}: {one_line(str(e))}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        where = getattr(e, USER_CODE, None)
+        if where is None:
+            raise
+        print(f"{prog}: {where} raised {type(e).__name__}: {one_line(str(e))}",
+              file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

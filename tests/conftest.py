@@ -10,3 +10,7 @@ where it compares the two.
 import os
 
 os.environ.setdefault("PURINE_ONEDNN", "0")
+
+# BVLC's own pycaffe tests, stored unchanged: tests/pycaffe/test_bvlc_pycaffe_tests.py runs
+# them under `purine-caffe python`, where `import caffe` is purine's.
+collect_ignore_glob = ["fixtures/*"]

@@ -849,7 +849,15 @@ class Net:
         ops += [op for L in reversed(layers) for op in L.backward_ops]
         self.dispatcher.run(ops)
         names = list(self.inputs) + list(diffs or [])
+        if end is not None:  # pycaffe: the bottoms of the last layer run
+            names = list(self.model_layer(self._layer_index(end, 0)).bottom) + list(diffs or [])
         return {n: self.blobs[n].diff for n in names}
+
+    def clear_param_diffs(self) -> None:
+        """Set every parameter's diff to zero (Caffe's Net::ClearParamDiffs)."""
+        for views in self.params.values():
+            for v in views:
+                v.diff[...] = 0
 
     def loss_value(self) -> Any:
         """``loss`` as an array scalar where the net runs (on a GPU, reading it later

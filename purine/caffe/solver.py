@@ -669,6 +669,17 @@ class Solver:
         self._iter_host += 1
         return loss / n
 
+    def apply_update(self) -> None:
+        """Caffe's Solver::ApplyUpdate: update the weights from the gradients the train net
+        holds now (its parameters' diffs, as a backward pass leaves them), at the current
+        iteration's rate, with weight decay, clipping and the solver's history; the
+        iteration does not advance (``step`` does)."""
+        t = self._train()
+        ops = [o for o in t.update_ops if o.name != "solver/next_iter"]
+        if self.param.iter_size > 1:  # the accumulators take the one set of gradients
+            ops = t.zero_ops + t.accumulate_ops + ops
+        self.net.dispatcher.run(ops)
+
     def trace_iteration(self, path: str | os.PathLike) -> float:
         """Run one iteration with the dispatcher's profiler on and write its Chrome trace;
         returns the iteration's loss."""

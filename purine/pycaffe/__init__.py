@@ -21,14 +21,28 @@ never replaced (the user's module then gets that Caffe's classes).
 from __future__ import annotations
 
 import sys
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _dist_version
 
 from purine.caffe import TEST, TRAIN
 from purine.caffe.layer import BUILDERS
 from purine.caffe.layers.python import Layer, caffe_name_free, provide_caffe
-from purine.pycaffe import io, net_spec, proto
+from purine.pycaffe import alias, io, net_spec, proto
 from purine.pycaffe.mode import set_device, set_mode_cpu, set_mode_gpu, set_random_seed
 from purine.pycaffe.net import Net
 from purine.pycaffe.net_spec import NetSpec, layers, params, to_proto
+from purine.pycaffe.process import (
+    NCCL,
+    Timer,
+    has_nccl,
+    init_log,
+    log,
+    set_multiprocess,
+    set_solver_count,
+    set_solver_rank,
+    solver_count,
+    solver_rank,
+)
 from purine.pycaffe.solver import (
     AdaDeltaSolver,
     AdaGradSolver,
@@ -40,13 +54,35 @@ from purine.pycaffe.solver import (
     get_solver,
 )
 
+try:
+    _purine_version = _dist_version("purine-caffe")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    _purine_version = "0+unknown"
+
 __all__ = [
-    "AdaDeltaSolver", "AdaGradSolver", "AdamSolver", "Layer", "NesterovSolver", "Net",
-    "RMSPropSolver", "SGDSolver", "Solver", "TEST", "TRAIN", "get_solver", "install_as_caffe",
-    "io", "layer_type_list", "proto", "set_device", "set_mode_cpu", "set_mode_gpu",
-    "set_random_seed",
-    "NetSpec", "layers", "params", "to_proto",  # the net specification (net_spec.py)
+    "AdaDeltaSolver", "AdaGradSolver", "AdamSolver", "Classifier", "Detector", "Layer", "NCCL",
+    "NesterovSolver", "Net", "RMSPropSolver", "SGDSolver", "Solver", "TEST", "TRAIN", "Timer",
+    "get_solver", "has_nccl", "init_log", "install_as_caffe", "io", "layer_type_list", "log",
+    "proto", "set_device", "set_mode_cpu", "set_mode_gpu", "set_multiprocess",
+    "set_random_seed", "set_solver_count", "set_solver_rank", "solver_count", "solver_rank",
+    "NetSpec", "layers", "net_spec", "params", "to_proto",  # net specification (net_spec.py)
 ]
+
+# BVLC Caffe's pycaffe version, with purine's as a PEP 440 local label: a script that reads
+# caffe.__version__ sees 1.0.0, and which Caffe it is.
+__version__ = f"1.0.0+purine.{_purine_version}"
+
+
+_LAZY = {"Classifier": "purine.pycaffe.classifier", "Detector": "purine.pycaffe.detector"}
+
+
+def __getattr__(name: str):
+    """``caffe.Classifier`` and ``caffe.Detector`` load their modules on first use."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'caffe' (purine.pycaffe) has no attribute {name!r}")
 
 
 def layer_type_list() -> list[str]:
@@ -54,24 +90,19 @@ def layer_type_list() -> list[str]:
     return sorted(BUILDERS)
 
 
-def install_as_caffe() -> bool:
-    """Make ``import caffe`` (and ``caffe.io``, ``caffe.net_spec``, ``caffe.proto.caffe_pb2``)
-    resolve to this module, unless a real ``caffe`` package is importable or already
-    imported (the Python layer builder's stand-in ``caffe`` is replaced). Returns whether
-    ``caffe`` is now this module. A ``caffe`` directory without ``__init__.py`` (a Caffe
-    source checkout seen as a namespace package) does not count as installed."""
+def install_as_caffe(force: bool = False) -> bool:
+    """Make ``import caffe`` and ``import caffe.<name>`` give this module and its submodules
+    (``caffe.io``, ``caffe.proto.caffe_pb2``, ``caffe.net_spec``, ``caffe.coord_map``,
+    ``caffe.draw`` ...) from now on, ahead of any ``caffe`` folder on ``sys.path``; returns
+    whether they do. An installed Caffe, or another ``caffe`` already imported, is left
+    alone unless ``force``. BVLC's source tree before ``make pycaffe`` is no installed Caffe
+    (notebooks put its ``python/`` folder on ``sys.path``)."""
     this = sys.modules[__name__]
-    if sys.modules.get("caffe") is this:
+    if alias.installed() and sys.modules.get("caffe", this) is this:
         return True
-    if not caffe_name_free():
+    if not force and not caffe_name_free():
         return False
-    sys.modules.update({
-        "caffe": this,
-        "caffe.io": io,
-        "caffe.proto": proto,
-        "caffe.proto.caffe_pb2": proto.caffe_pb2,
-        "caffe.net_spec": net_spec,
-    })
+    alias.install()
     return True
 
 

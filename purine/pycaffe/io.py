@@ -27,6 +27,11 @@ _GRAY = np.array([0.2125, 0.7154, 0.0721])
 
 
 # -- proto / datum / ndarray conversion -----------------------------------------------------
+class BlobShapeError(ProtoError, ValueError):
+    """A BlobProto whose shape cannot hold its values (none given, or the wrong count); a
+    ValueError, as pycaffe raises."""
+
+
 def blobproto_to_array(blob: caffe_pb2.BlobProto, return_diff: bool = False) -> np.ndarray:
     """The blob's data (or diff) as a float64 array, shaped by the legacy num/channels/
     height/width when any of them is set, else by ``shape`` (pycaffe's order). A shape
@@ -39,7 +44,7 @@ def blobproto_to_array(blob: caffe_pb2.BlobProto, return_diff: bool = False) -> 
         shape = tuple(blob.shape.dim)
     problem = shape_problem(shape, len(values))
     if problem:
-        raise ProtoError(f"BlobProto {'diff' if return_diff else 'data'} {problem}")
+        raise BlobShapeError(f"BlobProto {'diff' if return_diff else 'data'} {problem}")
     return np.array(values, dtype=np.float64).reshape(shape)
 
 

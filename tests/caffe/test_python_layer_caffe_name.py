@@ -49,6 +49,14 @@ print(purine.pycaffe.install_as_caffe(), sys.modules["caffe"] is purine.pycaffe)
 """
 
 
+def _fresh(monkeypatch):
+    """As in a fresh process: no ``caffe`` imported, no alias finder (both restored after)."""
+    for name in [n for n in sys.modules if n == "caffe" or n.startswith("caffe.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path
+                                           if not isinstance(f, purine.pycaffe.alias.CaffeAlias)])
+
+
 def _write(tmp_path, name: str) -> str:
     (tmp_path / f"{name}.py").write_text(MODULE)
     net = tmp_path / f"{name}.prototxt"
@@ -70,8 +78,7 @@ def test_without_pycaffe_loaded_the_builder_installs_a_stand_in(tmp_path):
 
 
 def test_with_pycaffe_loaded_the_builder_installs_pycaffe(tmp_path, monkeypatch):
-    for name in ("caffe", "caffe.io", "caffe.proto", "caffe.proto.caffe_pb2", "caffe.net_spec"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+    _fresh(monkeypatch)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert pylayer._caffe_installer is purine.pycaffe.install_as_caffe
     net = purine.pycaffe.Net(_write(tmp_path, "face_double"), purine.pycaffe.TEST)
@@ -82,8 +89,7 @@ def test_with_pycaffe_loaded_the_builder_installs_pycaffe(tmp_path, monkeypatch)
 
 
 def test_the_stand_in_gives_way_to_an_installed_caffe(tmp_path, monkeypatch):
-    for name in ("caffe", "caffe.proto", "caffe.proto.caffe_pb2"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+    _fresh(monkeypatch)
     monkeypatch.setattr(pylayer, "_caffe_installer", None)
     (tmp_path / "caffe").mkdir()
     (tmp_path / "caffe" / "__init__.py").write_text("REAL = True\n")
@@ -96,8 +102,7 @@ def test_the_stand_in_gives_way_to_an_installed_caffe(tmp_path, monkeypatch):
 @pytest.mark.parametrize("checkout", [False, True])
 def test_the_stand_in_is_installed_over_nothing_or_a_source_checkout(tmp_path, monkeypatch,
                                                                       checkout):
-    for name in ("caffe", "caffe.proto", "caffe.proto.caffe_pb2"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+    _fresh(monkeypatch)
     monkeypatch.setattr(pylayer, "_caffe_installer", None)
     if checkout:  # a caffe/ directory without __init__.py is no installed Caffe
         (tmp_path / "caffe" / "python").mkdir(parents=True)

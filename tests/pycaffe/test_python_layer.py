@@ -249,23 +249,35 @@ def test_missing_python_param_fields_are_reported():
               'python_param { module: "m" } }')
 
 
-def test_an_exception_in_forward_names_the_layer(tmp_path, monkeypatch):
+def test_an_exception_in_forward_keeps_its_type_and_names_the_layer(tmp_path, monkeypatch):
+    # Caffe's caller sees the layer's own exception; a note says which layer raised it.
     mod = write_layers(tmp_path, monkeypatch)
     net = build(input_layer("x", 2, 2) + python_layer("py", mod, "Broken", ("x",), ("y",),
                                                       "forward"))
-    with pytest.raises(LayerError) as e:
+    with pytest.raises(ValueError) as e:
         net.forward()
-    msg = str(e.value)
-    assert "layer 'py' (type Python)" in msg
-    assert f"{mod}.Broken.forward raised ValueError: bad batch in forward" in msg
-    assert isinstance(e.value.__cause__, ValueError)
+    assert type(e.value) is ValueError and str(e.value) == "bad batch in forward"
+    assert e.value.__notes__ == [f"raised in Python layer 'py' ({mod}.Broken.forward)"]
 
 
-def test_an_exception_in_reshape_at_build_names_the_layer(tmp_path, monkeypatch):
+def test_an_exception_in_reshape_at_build_keeps_its_type(tmp_path, monkeypatch):
     mod = write_layers(tmp_path, monkeypatch)
-    with pytest.raises(LayerError, match=r"layer 'py'.*Broken.reshape raised KeyError"):
+    with pytest.raises(KeyError) as e:
         build(input_layer("x", 2) + python_layer("py", mod, "Broken", ("x",), ("y",),
                                                  "reshape"))
+    assert e.value.__notes__ == [f"raised in Python layer 'py' ({mod}.Broken.reshape)"]
+
+
+def test_the_cli_prints_a_python_layers_exception_as_one_line(tmp_path, monkeypatch, capsys):
+    from purine.errors import run_reporting
+
+    mod = write_layers(tmp_path, monkeypatch)
+    net = build(input_layer("x", 2, 2) + python_layer("py", mod, "Broken", ("x",), ("y",),
+                                                      "forward"))
+    assert run_reporting("purine-caffe test", lambda: net.forward() and 0) == 1
+    assert capsys.readouterr().err == (
+        f"purine-caffe test: Python layer 'py' ({mod}.Broken.forward) raised ValueError: "
+        "bad batch in forward\n")
 
 
 def test_a_top_takes_the_shape_reshape_gives_at_each_pass(tmp_path, monkeypatch):
@@ -285,8 +297,11 @@ def test_a_top_without_a_shape_is_an_error(tmp_path, monkeypatch):
 
 # -- the `import caffe` shim ---------------------------------------------------------------
 def _forget_caffe(monkeypatch):
-    for name in ("caffe", "caffe.io", "caffe.proto", "caffe.proto.caffe_pb2"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+    """As in a fresh process: no ``caffe`` imported and no alias finder (both restored)."""
+    for name in [n for n in sys.modules if n == "caffe" or n.startswith("caffe.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path
+                                           if not isinstance(f, caffe.alias.CaffeAlias)])
 
 
 def test_the_shim_never_replaces_an_installed_caffe(tmp_path, monkeypatch):

@@ -10,18 +10,20 @@ arrays bound to the net's storage. Every build of the net uses the one user's ob
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import sys
 import types
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from purine.backend import to_host
 from purine.caffe.layer import LayerBuild, LegacyAxes, Settler, register
-from purine.errors import LayerError
+from purine.errors import LayerError, from_user_code
 from purine.formats import caffe_pb2 as pb
 from purine.graph import Blob
 
@@ -110,11 +112,24 @@ class BlobVec(list):
         self.append(b)
 
 
+class Phase(int):
+    """A Python layer's ``self.phase``: equal to ``caffe.TRAIN`` (0) or ``caffe.TEST`` (1),
+    and printed as its name, as pycaffe's Phase enum (research code indexes its config by
+    ``str(self.phase)``)."""
+
+    def __str__(self) -> str:
+        return pb.Phase.Name(int(self))
+
+    def __repr__(self) -> str:
+        return f"caffe.{self}"
+
+
 class Layer:
     """pycaffe's ``caffe.Layer``: subclass it and define ``setup(bottom, top)``,
     ``reshape(bottom, top)``, ``forward(bottom, top)`` and ``backward(top, propagate_down,
-    bottom)``. Before ``setup`` the net sets ``self.param_str`` (python_param.param_str) and
-    ``self.phase`` (0 TRAIN, 1 TEST); parameters go in ``self.blobs`` via ``add_blob``."""
+    bottom)``. Before ``setup`` the net sets ``self.param_str`` (python_param.param_str, also
+    as ``self.param_str_``, the name the Fast/Faster R-CNN fork gives it) and ``self.phase``
+    (a ``Phase``: 0 TRAIN, 1 TEST); parameters go in ``self.blobs`` via ``add_blob``."""
 
     type = "Python"
 
@@ -122,7 +137,8 @@ class Layer:
         # Caffe constructs the class with the layer's LayerParameter.
         self.blobs = BlobVec()
         self.param_str = param.python_param.param_str if param is not None else ""
-        self.phase = pb.TRAIN
+        self.param_str_ = self.param_str
+        self.phase = Phase(pb.TRAIN)
 
     def setup(self, bottom: list[PyBlob], top: list[PyBlob]) -> None:
         pass
@@ -211,15 +227,30 @@ def provide_caffe(install: Callable[[], bool]) -> None:
     _caffe_installer = install
 
 
+def installed_caffe() -> str | None:
+    """The folder of a Caffe importable as ``caffe`` from ``sys.path``, or None. BVLC's
+    source tree before ``make pycaffe`` (``python/caffe`` with ``_caffe.cpp`` but no compiled
+    ``_caffe``, which cannot be imported) and folders without ``__init__.py`` are none; any
+    other ``caffe`` package counts as installed."""
+    spec = importlib.machinery.PathFinder.find_spec("caffe")
+    if spec is None or spec.origin in (None, "namespace"):
+        return None
+    for folder in spec.submodule_search_locations or ():
+        here = Path(folder)
+        unbuilt = (here / "_caffe.cpp").is_file() and not any(
+            p.suffix in (".so", ".pyd", ".dylib") for p in here.glob("_caffe*"))
+        if not unbuilt:
+            return folder
+    return None
+
+
 def caffe_name_free() -> bool:
     """Whether ``import caffe`` may be pointed at purine: no ``caffe`` is imported (but the
-    stand-in) and no real Caffe is importable. A ``caffe`` directory without ``__init__.py``
-    (a Caffe source checkout seen as a namespace package) is no installed Caffe."""
+    stand-in) and no Caffe is installed (``installed_caffe``)."""
     current = sys.modules.get("caffe")
     if current is not None:
         return bool(getattr(current, STANDIN, False))
-    spec = importlib.util.find_spec("caffe")
-    return spec is None or spec.origin in (None, "namespace")
+    return installed_caffe() is None
 
 
 def _standin_getattr(name: str) -> Any:
@@ -274,11 +305,12 @@ def _set_up(L: LayerBuild, where: str) -> _Instance:
     try:
         obj = cls(L.param)
     except Exception as e:
-        raise L.error(f"{where}(param) raised {type(e).__name__}: {e}") from e
+        from_user_code(e, f"Python layer '{L.param.name}' ({where}(param))")
+        raise
     if not isinstance(getattr(obj, "blobs", None), BlobVec):
         obj.blobs = BlobVec()
-    obj.param_str = p.param_str
-    obj.phase = L.phase
+    obj.param_str = obj.param_str_ = p.param_str
+    obj.phase = Phase(L.phase)
     # share_in_parallel only matters to Caffe's multi-GPU workers, which share one object
     # per layer here anyway.
     dtype = np.dtype(L.net.dtype)
@@ -308,9 +340,9 @@ def _call(layer: str, where: str, obj: Any, method: str, *args: Any) -> None:
         fn(*args)
     except LayerError:
         raise
-    except Exception as e:
-        raise LayerError(layer, "Python",
-                         f"{where}.{method} raised {type(e).__name__}: {e}") from e
+    except Exception as e:  # the layer's own exception type reaches the caller, as in Caffe
+        from_user_code(e, f"Python layer '{layer}' ({where}.{method})")
+        raise
 
 
 @register("Python")
