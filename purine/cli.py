@@ -413,6 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         module.add_arguments(sub.add_parser(name, help=text))
 
+    from purine.converters import caffe_datasets
+
+    for name, (add, text) in caffe_datasets.TOOLS.items():
+        add(sub.add_parser(name, help=text))
+
     from purine.converters import upgrade
 
     for name, (add, text) in upgrade.TOOLS.items():
