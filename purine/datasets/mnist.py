@@ -60,7 +60,9 @@ def split_mnist_5k(n_test: int = 1000, seed: int = 0
 def write_mnist_lmdb(path: str | os.PathLike, images: np.ndarray, labels: np.ndarray) -> int:
     """A Caffe LMDB at ``path`` (must not exist) written by convert_imageset's writer: one raw
     Datum 1x28x28 uint8 with its label per image, keys ``%08d`` as Caffe's
-    convert_mnist_data has them. Returns the record count."""
+    convert_mnist_data has them (its Datums carry convert_imageset's ``encoded: false``, two
+    bytes that convert_mnist_data leaves out; ``purine-caffe convert_mnist_data`` writes
+    those). Returns the record count."""
     from purine.converters.convert_imageset import write_images
 
     images, labels = _check(images, labels)
