@@ -53,9 +53,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "data": (*BASE, "backend", "formats"),  # sources, Datum decoding, transforms; no graphs
     "caffe": (*CORE, "formats", "data"),   # layer registry and builders, Net, Solver
     "parallel": CAFFE,                     # schemes as graph rewrites above the solver
-    "pycaffe": (*CAFFE, "parallel"),       # the pycaffe-compatible face over purine.caffe
     "converters": CAFFE,                   # offline file tools (installed as purine.converters)
     "draw": CAFFE,                         # draw_net
+    "pycaffe": (*CAFFE, "parallel", "draw"),  # the pycaffe-compatible face over purine.caffe
     "timing": CAFFE,                       # the `time` command's per-layer timing
     "datasets": (*BASE, "formats", "data", "zoo", "converters"),  # MNIST, via convert_imageset
     "demo": (*CAFFE, "zoo", "converters", "datasets"),  # `purine-caffe demo`

@@ -98,9 +98,9 @@ def install_as_caffe(force: bool = False) -> bool:
     alone unless ``force``. BVLC's source tree before ``make pycaffe`` is no installed Caffe
     (notebooks put its ``python/`` folder on ``sys.path``)."""
     this = sys.modules[__name__]
-    if alias.installed() and sys.modules.get("caffe", this) is this:
-        return True
-    if not force and not caffe_name_free():
+    current = sys.modules.get("caffe")
+    ours = current is this or (current is None and alias.installed())
+    if not (force or ours or caffe_name_free()):
         return False
     alias.install()
     return True
