@@ -35,12 +35,20 @@ class _Stderr(logging.StreamHandler):
         pass
 
 
+# glog's GLOG_minloglevel, as Caffe users silence Caffe's INFO lines: 0 INFO ... 3 FATAL.
+_GLOG_MIN = {"0": logging.INFO, "1": logging.WARNING, "2": logging.ERROR, "3": logging.CRITICAL}
+
+
+def _min_level() -> int:
+    return _GLOG_MIN.get(os.environ.get("GLOG_minloglevel", "0").strip(), logging.INFO)
+
+
 def get_logger() -> logging.Logger:
     log = logging.getLogger("purine")
     if not log.handlers:
         handler = _Stderr()
         handler.setFormatter(GlogFormatter())
         log.addHandler(handler)
-        log.setLevel(logging.INFO)
+        log.setLevel(_min_level())
         log.propagate = False
     return log

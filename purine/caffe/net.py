@@ -14,6 +14,7 @@ import numpy as np
 from purine.backend import assign, is_device_array, to_host
 from purine.caffe.fillers import fill
 from purine.caffe.layer import BUILDERS, LayerBuild, LegacyAxes
+from purine.caffe.setup_log import setup_log
 from purine.errors import LayerError, PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write, blob_arrays, net_chunks, read_caffemodel
@@ -70,7 +71,7 @@ class NetBuilder:
                  replica_of: dict[str, str] | None = None,
                  base: NetBuilder | None = None,
                  decided: dict[int, tuple[tuple[int, ...], ...]] | None = None,
-                 upto: int | None = None):
+                 upto: int | None = None, log_setup: bool = False):
         self.phase = phase
         # Another build of the net whose first build is ``base``, for other shapes: layers
         # take over base's run-time objects (data cursors, random streams, the objects of
@@ -135,7 +136,8 @@ class NetBuilder:
         self.param = insert_splits(filter_net(param, state))
         self.force_backward = param.force_backward
         try:
-            self._build()
+            with setup_log(self, param, state, log_setup):  # Caffe's Init lines, if asked
+                self._build()
         except BaseException:
             if base is None:
                 close_all(self.stateful.values())  # the data layers built so far
@@ -396,6 +398,7 @@ class NetBuilder:
                     skip.add(b)
             if not layer_need[i]:
                 L.param_need = [False] * len(L.params)
+        self.layer_need = layer_need  # the verdicts Caffe logs (before force_backward)
         if self.force_backward:
             for L in self.layers:
                 L.bottom_need = [n or j not in L.no_force_backward
@@ -551,7 +554,7 @@ class Net:
                        input_shapes=self._input_shapes, dtype=self._dtype,
                        replica=self._replica, placement=self._placement,
                        replica_of=self._replica_of, location=self.location,
-                       base=first, decided=decided, upto=upto)
+                       base=first, decided=decided, upto=upto, log_setup=first is None)
         b.dispatcher = Dispatcher(b.graph, host=self.host, store=self._store,
                                   profile=self._profiling)
         b.dispatcher.transport = self.dispatcher.transport if first is not None else None

@@ -18,6 +18,15 @@ M = TypeVar("M", bound=message.Message)
 BINARY_SUFFIXES = (".caffemodel", ".binaryproto", ".solverstate", ".pb")
 
 
+def is_repeated(field) -> bool:
+    """Whether a protobuf field descriptor is a repeated field, on every supported protobuf
+    (``is_repeated`` since 6; ``label`` before, and gone in 7)."""
+    repeated = getattr(field, "is_repeated", None)
+    if repeated is None:
+        repeated = field.label == field.LABEL_REPEATED
+    return bool(repeated)
+
+
 def parse_text(text: str, msg: M, filename: str = "<string>") -> M:
     try:
         text_format.Merge(text, msg)

@@ -12,6 +12,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from purine.errors import PurineError
+from purine.formats.prototxt import is_repeated
 from purine.pycaffe.net_spec import Function, Top, layers
 
 __all__ = ["AxisMismatchException", "CoordMapError", "CropError", "PASS_THROUGH_LAYERS",
@@ -62,7 +63,7 @@ def _settings(fn: Function, message: str) -> dict[str, Any]:
     merged = {k: v for k, v in fn.params.items() if not k.endswith("param")}
     given = fn.params.get(message)
     if isinstance(given, Message):
-        given = {f.name: (list(v) if f.label == f.LABEL_REPEATED else v)
+        given = {f.name: (list(v) if is_repeated(f) else v)
                  for f, v in given.ListFields()}
     if isinstance(given, dict):
         merged.update(given)

@@ -4,6 +4,8 @@ import logging
 
 import pytest
 
+from purine.log import get_logger
+
 
 @pytest.fixture
 def log_lines():
@@ -15,7 +17,10 @@ def log_lines():
             lines.append(record.getMessage())
 
     handler = Keep()
-    log = logging.getLogger("purine")
+    log = get_logger()  # INFO, whichever test ran before (or none)
+    level = log.level
+    log.setLevel(logging.INFO)
     log.addHandler(handler)
     yield lines
     log.removeHandler(handler)
+    log.setLevel(level)

@@ -273,3 +273,14 @@ def test_a_blobproto_without_a_shape_is_a_value_error():
     with pytest.raises(ValueError, match="BlobProto data") as e:
         caffe.io.blobproto_to_array(blob)
     assert isinstance(e.value, ProtoError)
+
+
+def test_glog_minloglevel_silences_the_set_up_log(tmp_path):
+    (tmp_path / "n.prototxt").write_text(NET)
+    code = ("import purine.pycaffe as caffe; "
+            f"caffe.Net({str(tmp_path / 'n.prototxt')!r}, caffe.TEST); print('built')")
+    for level, logged in (("0", True), ("1", False)):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, GLOG_minloglevel=level))
+        assert r.stdout == "built\n", r.stderr
+        assert ("Network initialization done." in r.stderr) is logged
