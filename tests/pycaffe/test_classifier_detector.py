@@ -9,6 +9,7 @@ import glob
 import re
 import runpy
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -270,6 +271,13 @@ def run_script(name: str, args: list[str], monkeypatch) -> None:
     runpy.run_path(str(SCRIPTS / name), run_name="__main__")
 
 
+def run_command(name: str, args: list[str], cwd: Path) -> None:
+    """``purine-caffe python <script> args``, as a user runs BVLC's script."""
+    r = subprocess.run([sys.executable, "-m", "purine.cli", "python", "-q", str(SCRIPTS / name),
+                        *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def cifar_weights(path: Path) -> str:
     """Random He-scaled weights for CIFAR-10 quick (its fillers' are too small to separate
     the classes), with random biases, written by Net.save."""
@@ -321,8 +329,8 @@ def test_bvlc_classify_py(tmp_path, as_caffe, monkeypatch):
         pictures[str(folder / f"im{k}.png")] = bgr[:, :, ::-1] / 255.0
     common = ["--model_def", str(CIFAR), "--pretrained_model", weights, "--mean_file",
               str(tmp_path / "mean.npy"), "--images_dim", "40,40", "--input_scale", "0.02"]
-    run_script("classify.py", [str(folder), str(tmp_path / "ten.npy"), "--ext", "png",
-                               *common], monkeypatch)
+    run_command("classify.py", [str(folder), str(tmp_path / "ten.npy"), "--ext", "png",
+                                *common], tmp_path)
 
     def blob(crop):  # RGB -> BGR, x 255 (the defaults), minus the mean, x 0.02
         return (crop.transpose(2, 0, 1)[[2, 1, 0]] * 255 - mean) * 0.02
