@@ -736,11 +736,12 @@ class Solver:
             self.smoothed.append(loss)
             if display:
                 _check_finite(float(loss), it)
-                lapse = time.perf_counter() - t_start
-                per_s = (it + 1 - it_start) / lapse if lapse > 0 else 0.0
+                # The iterations run since the last line (or since this step began: the
+                # first line, the first after a resume), so that rate x time = iterations.
+                lapse, done = time.perf_counter() - t_start, it + 1 - it_start
+                per_s = done / lapse if lapse > 0 else 0.0
                 log.info("Iteration %d (%g iter/s, %.3fs/%d iters), loss = %g", it, per_s,
-                         lapse, p.display,
-                         sum(float(v) for v in self.smoothed) / len(self.smoothed))
+                         lapse, done, sum(float(v) for v in self.smoothed) / len(self.smoothed))
                 t_start, it_start = time.perf_counter(), it + 1
                 self._log_outputs(self.net, "Train", None)
                 log.info("Iteration %d, lr = %g", it, so.rate(it=it, **self._lr_params()))

@@ -1,6 +1,7 @@
 """``caffe_to_onnx``: a deploy net and its weights as an ONNX model, for the layers ONNX can
-express exactly at inference. Shapes are the net's own (static); every node reproduces
-Caffe's arithmetic, and a layer whose Caffe result ONNX cannot reproduce is refused."""
+express exactly at inference. Shapes are the net's own except the batch axis, symbolic by
+default (``--batch N`` fixes it); every node reproduces Caffe's arithmetic, and a layer whose
+Caffe result ONNX cannot reproduce is refused."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from purine.caffe.layers.vision import pool_values, spatial_values
 from purine.converters import ConvertError, flag, run_main
 from purine.converters.deploy import axis_index, copy_every_layer, unsupported
 from purine.converters.progress import Progress
+from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write
 
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 OPSET = 17
 IR_VERSION = 8  # the IR version that came with opset 17
 ONNX_EXTRA = "pip install onnx onnxruntime  (or: pip install 'purine-caffe[onnx]')"
+BATCH = "batch"  # the dim_param of the symbolic batch axis (axis 0 of every input)
+BATCH_KEY = "purine.batch"  # the model's metadata entry saying how the batch axis was written
 
 _POOL = pb.PoolingParameter
 
@@ -46,9 +50,14 @@ class _Exporter:
     several times (in-place layers) becomes one ONNX tensor per write; the last write keeps
     the Caffe name, so the graph's outputs are named as the net's."""
 
-    def __init__(self, net: Net):
+    def __init__(self, net: Net, probe: dict[str, tuple[int, ...]] | None = None,
+                 batch: tuple[int, int] | None = None):
         self.onnx = _onnx()
         self.net = net
+        # With a symbolic batch: every blob's shape at another batch size (``probe``) and
+        # the two sizes (``batch``: the net's, the probe's); a dim that differs scales with it.
+        self.probe = probe or {}
+        self.batch = batch
         self.builder = net.builder
         self.layers = self.builder.layers
         self.nodes: list[Any] = []
@@ -118,9 +127,33 @@ class _Exporter:
     def shape_of(self, caffe: str) -> tuple[int, ...]:
         return self.builder.data[caffe].shape
 
-    def reshape(self, L: LayerBuild, x: str, shape: Sequence[int], out: str) -> None:
-        target = self.const(f"{L.name}/shape", np.array(shape, np.int64), np.int64)
-        self.node("Reshape", [x, target], [out], f"{L.name}/Reshape")
+    def probe_of(self, caffe: str) -> tuple[int, ...]:
+        """Blob ``caffe``'s shape at the probe's batch size (its own shape when static)."""
+        return self.probe.get(caffe, self.shape_of(caffe))
+
+    def reshape(self, L: LayerBuild, x: str, shape: Sequence[int], out: str,
+                probe: Sequence[int] | None = None) -> None:
+        """A Reshape to ``shape``; the one axis that differs in ``probe`` (the shape at the
+        other batch size) is written -1, so ONNX computes it from the batch at run time."""
+        target = list(shape)
+        moving = [d for d, (a, b) in enumerate(zip(shape, probe or shape)) if a != b]
+        if len(moving) > 1:
+            raise _unsupported(L, f"its output {tuple(shape)} changes with the batch size in "
+                                  f"{len(moving)} axes, which one ONNX Reshape cannot follow; "
+                                  "export a fixed batch size (--batch N)")
+        for d in moving:
+            target[d] = -1
+        const = self.const(f"{L.name}/shape", np.array(target, np.int64), np.int64)
+        self.node("Reshape", [x, const], [out], f"{L.name}/Reshape")
+
+    def dims(self, caffe: str) -> list[int | str | None]:
+        """Blob ``caffe``'s ONNX dims: the batch axis named, other batch-dependent axes left
+        unknown (a Concat over axis 0 doubles it), the rest as built."""
+        shape, other = self.shape_of(caffe), self.probe_of(caffe)
+        if self.batch is None:
+            return list(shape)
+        return [d if d == o else BATCH if (d, o) == self.batch else None
+                for d, o in zip(shape, other)]
 
     # -- the walk -----------------------------------------------------------------------
     def run(self) -> Any:
@@ -142,7 +175,7 @@ class _Exporter:
                 self.used.add(out)
                 self.node("Identity", [tensor], [out], f"{name}/output")
                 tensor = out
-            self.outputs.append(self.value_info(tensor, self.shape_of(name)))
+            self.outputs.append(self.value_info(tensor, self.dims(name)))
         helper = self.onnx.helper
         graph = helper.make_graph(self.nodes, self.builder.param.name or "net", self.inputs,
                                   self.outputs, self.initializers)
@@ -158,7 +191,7 @@ class _Exporter:
                                f"caffe_to_onnx, please report it): {e}") from None
         return model
 
-    def value_info(self, name: str, shape: Sequence[int]) -> Any:
+    def value_info(self, name: str, shape: Sequence[int | str | None]) -> Any:
         return self.onnx.helper.make_tensor_value_info(name, self.onnx.TensorProto.FLOAT,
                                                        list(shape))
 
@@ -180,7 +213,7 @@ def _axis(L: LayerBuild, axis: int, ndim: int) -> int:
 def _input(ex: _Exporter, L: LayerBuild) -> None:
     for i, t in enumerate(L.param.top):
         name = ex.define(L, i)
-        ex.inputs.append(ex.value_info(name, ex.shape_of(t)))
+        ex.inputs.append(ex.value_info(name, ex.dims(t)))
 
 
 def _split(ex: _Exporter, L: LayerBuild) -> None:
@@ -330,7 +363,7 @@ def _inner_product(ex: _Exporter, L: LayerBuild) -> None:
         return
     mat = ex.fresh(f"{L.name}/matrix")
     ex.node("Gemm", ins, [mat], f"{L.name}/Gemm", transB=0 if p.transpose else 1)
-    ex.reshape(L, mat, top_shape, ex.define(L, 0))
+    ex.reshape(L, mat, top_shape, ex.define(L, 0), ex.probe_of(L.param.top[0]))
 
 
 def _relu(ex: _Exporter, L: LayerBuild) -> None:
@@ -408,7 +441,8 @@ def _scale(ex: _Exporter, L: LayerBuild) -> None:
         s = ex.bottom(L, 1)
         if target != s_shape:
             r = ex.fresh(f"{n}/scale")
-            ex.reshape(L, s, target, r)
+            ex.reshape(L, s, target, r,
+                       _broadcast_shape(L, ex.probe_of(L.param.bottom[1]), p.axis))
             s = r
         bias_k = 0
     else:
@@ -434,7 +468,8 @@ def _bias(ex: _Exporter, L: LayerBuild) -> None:
         b = ex.bottom(L, 1)
         if target != b_shape:
             r = ex.fresh(f"{n}/bias")
-            ex.reshape(L, b, target, r)
+            ex.reshape(L, b, target, r,
+                       _broadcast_shape(L, ex.probe_of(L.param.bottom[1]), p.axis))
             b = r
     else:
         w = ex.param(L, 0)
@@ -484,7 +519,8 @@ def _folds(bn: LayerBuild, S: LayerBuild, channels: int) -> bool:
 
 def _reshape(ex: _Exporter, L: LayerBuild) -> None:
     # Flatten and Reshape: the top's shape is known, so a static Reshape reproduces both.
-    ex.reshape(L, ex.bottom(L, 0), ex.shape_of(L.param.top[0]), ex.define(L, 0))
+    top = L.param.top[0]
+    ex.reshape(L, ex.bottom(L, 0), ex.shape_of(top), ex.define(L, 0), ex.probe_of(top))
 
 
 _HANDLERS: dict[str, Callable[[_Exporter, LayerBuild], None]] = {
@@ -498,22 +534,86 @@ _HANDLERS: dict[str, Callable[[_Exporter, LayerBuild], None]] = {
 
 
 # -- entry points -------------------------------------------------------------------------
-def net_to_onnx(net: Net) -> Any:
+def _resize_inputs(net: Net, batch: int) -> None:
+    """Every input blob of ``net`` with ``batch`` on axis 0, and the net built for that."""
+    for name in net.inputs:
+        shape = net.blobs[name].shape
+        net.blobs[name].reshape((batch,) + tuple(shape[1:]))
+    net.reshape()
+
+
+def _probe(net: Net) -> tuple[dict[str, tuple[int, ...]], tuple[int, int]] | str:
+    """Every blob's shape with the inputs' batch axis at another size, and the two sizes;
+    or why the batch axis stays fixed. The net is back at its own shapes afterwards."""
+    shapes = [net.blobs[n].shape for n in net.inputs]
+    if not shapes or any(len(s) == 0 for s in shapes):
+        return "the net has no input with a batch axis"
+    firsts = sorted({s[0] for s in shapes})
+    if len(firsts) > 1:
+        return ("its inputs differ in their first axis (" + ", ".join(
+            f"{n} {s[0]}" for n, s in zip(net.inputs, shapes)) + ")")
+    n0 = firsts[0]
+    if n0 < 1:
+        return f"its inputs' batch size is {n0}"
+    other = 1 if n0 > 1 else 2  # the smaller probe allocates the least
+    kept = {n: np.array(net.blobs[n].data) for n in net.inputs}  # reshaping zeroes them
+    try:
+        _resize_inputs(net, other)
+        probe = {name: tuple(b.shape) for name, b in net.builder.data.items()}
+    except PurineError as e:
+        return f"the net does not build at batch size {other}: {e}"
+    finally:
+        _resize_inputs(net, n0)
+        for n, a in kept.items():
+            net.blobs[n].data[...] = a
+    return probe, (n0, other)
+
+
+def net_to_onnx(net: Net, batch: int | None = None) -> Any:
     """The ONNX ModelProto of a built net with its current parameters (build the net in
-    phase TEST: Dropout is then the identity and BatchNorm uses its stored statistics)."""
-    return _Exporter(net).run()
+    phase TEST: Dropout is then the identity and BatchNorm uses its stored statistics).
+    ``batch`` None gives axis 0 of every input the symbolic size 'batch' (kept fixed, with
+    the reason in the model's ``purine.batch`` metadata, where the net cannot follow it);
+    an integer builds the net at that batch size and writes every shape fixed."""
+    for L in net.builder.layers:  # a layer with no ONNX form is refused before any probe
+        if L.type not in _HANDLERS:
+            raise _unsupported(L)
+    if batch is not None:
+        if batch < 1:
+            raise ConvertError(f"--batch {batch}: expected a batch size of at least 1")
+        _resize_inputs(net, batch)
+        note = f"batch {batch} (fixed by --batch)"
+        ex = _Exporter(net)
+    else:
+        probed = _probe(net)
+        if isinstance(probed, str):
+            size = net.blobs[net.inputs[0]].shape[:1] if net.inputs else ()
+            fixed = f"batch {size[0]}" if size else "no batch axis"
+            note = f"{fixed} (fixed: {probed})"
+            ex = _Exporter(net)
+        else:
+            note = f"batch axis symbolic ('{BATCH}'; built at {probed[1][0]})"
+            ex = _Exporter(net, *probed)
+    model = ex.run()
+    ex.onnx.helper.set_model_props(model, {BATCH_KEY: note})
+    return model
+
+
+def batch_note(model: Any) -> str:
+    """What ``net_to_onnx`` wrote about the batch axis of ``model`` ('' if nothing)."""
+    return next((p.value for p in model.metadata_props if p.key == BATCH_KEY), "")
 
 
 def caffe_to_onnx(model: str | os.PathLike | pb.NetParameter, weights: str | os.PathLike,
-                  output: str | os.PathLike) -> Any:
+                  output: str | os.PathLike, batch: int | None = None) -> Any:
     """Export deploy net ``model`` with the parameters of caffemodel ``weights`` to the ONNX
-    file ``output``; returns the ModelProto."""
+    file ``output``; returns the ModelProto. ``batch``: as ``net_to_onnx``'s."""
     from purine.caffe.net import Net
 
     _onnx()  # say what to install before building a large net
     net = Net(model, phase=pb.TEST)
     copy_every_layer(net, weights)
-    proto = net_to_onnx(net)
+    proto = net_to_onnx(net, batch)
     try:
         atomic_write(output, proto.SerializeToString())
     except OSError as e:
@@ -522,23 +622,38 @@ def caffe_to_onnx(model: str | os.PathLike | pb.NetParameter, weights: str | os.
 
 
 # -- the command --------------------------------------------------------------------------
+def _batch(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a batch size, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a batch size of at least 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``caffe_to_onnx --model DEPLOY.prototxt --weights W.caffemodel OUT.onnx``."""
+    """``caffe_to_onnx --model DEPLOY.prototxt --weights W.caffemodel [--batch N] OUT.onnx``."""
     if parser.description is None:
         parser.description = (f"Export a deploy net and its weights to ONNX (opset {OPSET}). "
-                              "Supported layers: " + ", ".join(sorted(_HANDLERS)) + ".")
+                              "The batch axis (axis 0 of the inputs) is symbolic unless "
+                              "--batch fixes it. Supported layers: "
+                              + ", ".join(sorted(_HANDLERS)) + ".")
     flag(parser, "model", required=True, help="the deploy prototxt (Input layers)")
     flag(parser, "weights", required=True, help="the .caffemodel with the parameters")
+    flag(parser, "batch", type=_batch, default=None, metavar="N",
+         help="write every shape fixed, at batch size N (default: a symbolic batch axis, "
+              "'batch', so the model runs at any batch size)")
     parser.add_argument("output", metavar="OUT.onnx", help="the ONNX file to write")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    proto = caffe_to_onnx(args.model, args.weights, args.output)
+    proto = caffe_to_onnx(args.model, args.weights, args.output, args.batch)
     g = proto.graph
     print(f"{args.model} + {args.weights} -> {args.output}: {len(g.node)} nodes, inputs "
           f"{', '.join(i.name for i in g.input)}, outputs {', '.join(o.name for o in g.output)}"
-          f" (opset {OPSET})", file=sys.stderr)
+          f", {batch_note(proto)} (opset {OPSET})", file=sys.stderr)
     return 0
 
 

@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from purine.converters import ConvertError, flag, run_main
 from purine.converters.training_log import TrainingLog, outputs, read_training_log
@@ -26,6 +27,7 @@ CHARTS = {
 }
 CAFFE_CHARTS = [(name, x) for name in CHARTS for x in X_AXES]
 DPI = 100
+FEW_POINTS = 30  # a line of at most this many points gets a marker on each
 CHART_SIZE, FIGURE_SIZE = (8.0, 5.0), (8.0, 8.0)  # inches: 800x500 and 800x800 pixels
 
 
@@ -110,6 +112,7 @@ def _matplotlib():
     """matplotlib, imported when a chart is drawn: it is an extra, not a dependency."""
     try:
         import matplotlib
+        import matplotlib.ticker
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
@@ -118,8 +121,10 @@ def _matplotlib():
 
 
 def draw(panels: Sequence[Panel], out: str | os.PathLike, x: str = "iters",
-         title: str | None = None) -> None:
-    """``panels`` stacked over one x axis, written to ``out`` (.png, .svg, .pdf ...)."""
+         title: str | None = None) -> Any:
+    """``panels`` stacked over one x axis, written to ``out`` (.png, .svg, .pdf ...); returns
+    the matplotlib Figure. A short log stays readable: markers on lines of few points, whole
+    iterations on the x axis, and a single value (or point in time) gets a range around it."""
     matplotlib, Figure, FigureCanvasAgg = _matplotlib()
     out = os.fspath(out)
     size = CHART_SIZE if len(panels) == 1 else FIGURE_SIZE
@@ -136,31 +141,53 @@ def draw(panels: Sequence[Panel], out: str | os.PathLike, x: str = "iters",
         axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
         for ax, panel in zip(axes, panels):
             for line in panel.lines:
-                few = len(line.x) <= 30  # markers show where the sparse points are
+                few = len(line.x) <= FEW_POINTS  # markers show where the sparse points are
                 ax.plot(line.x, line.y, label=line.label, linewidth=1.0,
-                        marker="o" if few else None, markersize=3)
+                        marker="o" if few else None, markersize=3 if len(line.x) > 3 else 6)
             ax.set_ylabel(panel.ylabel)
             ax.grid(True, alpha=0.3)
             ax.legend(loc="best", fontsize="small")
+            flat = _flat([v for line in panel.lines for v in line.y])
+            if flat is not None:  # one value: a range around it, not matplotlib's +-5%
+                ax.set_ylim(*flat)
+        xs = [v for panel in panels for line in panel.lines for v in line.x
+              if math.isfinite(v)]
+        if xs and min(xs) == max(xs):  # one point in time: an iteration (second) either side
+            axes[-1].set_xlim(xs[0] - 1, xs[0] + 1)
+        if x == "iters":  # iterations are whole numbers: no ticks (grid lines) at 0.2 of one
+            for ax in axes:
+                ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         axes[-1].set_xlabel(X_AXES[x][1])
         if title:
             axes[0].set_title(title)
         fig.savefig(out, format=fmt, metadata={"Date": None} if fmt == "svg" else None)
+    return fig
+
+
+def _flat(values: Sequence[float]) -> tuple[float, float] | None:
+    """A y range for values that are all one number ``v`` (a one-point log, a constant
+    learning rate): v +- 10% of |v|, or +-1 around 0; None when they differ or are none."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite or min(finite) != max(finite):
+        return None
+    v = finite[0]
+    pad = abs(v) * 0.1 if v else 1.0
+    return v - pad, v + pad
 
 
 def plot(logs: Sequence[str | os.PathLike], out: str | os.PathLike, *, x: str = "iters",
-         chart: str | None = None, year: int | None = None) -> None:
-    """Read ``logs`` and draw ``chart`` (a CHARTS name) or the default figure to ``out``."""
+         chart: str | None = None, year: int | None = None) -> Any:
+    """Read ``logs`` and draw ``chart`` (a CHARTS name) or the default figure to ``out``;
+    returns the matplotlib Figure."""
     parsed = [read_training_log(p, year) for p in logs]
     for log in parsed:
         if not log.train and not log.test:
             raise ConvertError(f"{log.path}: no 'Train net output' or 'Test net output' "
                                "line after an 'Iteration' line; nothing to plot")
     if chart is None:
-        draw(figure_panels(parsed, x), out, x)
-    else:
-        panel = chart_panel(parsed, chart, x)
-        draw([panel], out, x, title=f"{panel.ylabel} vs. {X_AXES[x][1]}")
+        return draw(figure_panels(parsed, x), out, x)
+    panel = chart_panel(parsed, chart, x)
+    return draw([panel], out, x, title=f"{panel.ylabel} vs. {X_AXES[x][1]}")
 
 
 def _chart(text: str) -> str:

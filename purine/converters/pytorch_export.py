@@ -740,16 +740,23 @@ def net_to_pytorch(net: Net, origin: str = "") -> TorchExport:
 
 
 def caffe_to_pytorch(model: str | os.PathLike | pb.NetParameter, weights: str | os.PathLike,
-                     out_dir: str | os.PathLike) -> TorchExport:
+                     out_dir: str | os.PathLike, *, phase: int = pb.TEST, level: int = 0,
+                     stages: Sequence[str] = ()) -> TorchExport:
     """Export deploy net ``model`` with the parameters of caffemodel ``weights`` as
-    ``out_dir/<net name>.py`` and ``out_dir/<net name>.safetensors``."""
+    ``out_dir/<net name>.py`` and ``out_dir/<net name>.safetensors``. ``phase``, ``level``
+    and ``stages`` pick the layers by their include/exclude rules, as for ``Net``; the
+    module computes Caffe's TEST arithmetic whatever the phase."""
     from purine.caffe.net import Net
 
     origin = "a NetParameter" if isinstance(model, pb.NetParameter) else \
         os.path.basename(os.fspath(model))
-    with Net(model, phase=pb.TEST) as net:  # closed after: a data layer's source too
-        copy_every_layer(net, weights)
-        export = net_to_pytorch(net, f"{origin} + {os.path.basename(os.fspath(weights))}")
+    origin += f" + {os.path.basename(os.fspath(weights))}"
+    state = _state(phase, level, stages)
+    if state:  # the default (TEST, level 0, no stage) is left unsaid
+        origin += f", {state}"
+    with Net(model, phase=phase, level=level, stages=stages) as net:  # closed after: a
+        copy_every_layer(net, weights)                                # data layer's too
+        export = net_to_pytorch(net, origin)
     try:
         os.makedirs(out_dir, exist_ok=True)
         base = os.path.join(out_dir, export.stem)
@@ -761,25 +768,65 @@ def caffe_to_pytorch(model: str | os.PathLike | pb.NetParameter, weights: str | 
     return export
 
 
+def _state(phase: int, level: int, stages: Sequence[str]) -> str:
+    """The NetState that picked the layers, in words; '' for the default."""
+    words = [f"phase {pb.Phase.Name(phase)}"] if phase != pb.TEST else []
+    words += [f"level {level}"] if level else []
+    words += [f"stages {','.join(stages)}"] if stages else []
+    return ", ".join(words)
+
+
 # -- the command ---------------------------------------------------------------------------
+# What loads the output: the module imports torch, its weights load with safetensors.
+LOAD_WITH = "pip install torch safetensors"
+
+
+def _phase(text: str) -> int:
+    name = text.upper()
+    if name not in ("TRAIN", "TEST"):
+        raise argparse.ArgumentTypeError(f"expected TRAIN or TEST, got '{text}'")
+    return pb.Phase.Value(name)
+
+
+def _level(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if not -(2 ** 31) <= value < 2 ** 31:  # NetState.level is an int32
+        raise argparse.ArgumentTypeError(f"expected a 32-bit integer, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``caffe_to_pytorch --model DEPLOY.prototxt --weights W.caffemodel OUT_DIR``."""
+    """``caffe_to_pytorch --model DEPLOY.prototxt --weights W.caffemodel [--phase P]
+    [--level L] [--stage S,...] OUT_DIR``."""
     if parser.description is None:
         parser.description = ("Export a deploy net and its weights as a PyTorch module "
-                              "(OUT_DIR/<net name>.py) and .safetensors weights. Supported "
-                              "layers: " + ", ".join(sorted(_HANDLERS)) + ".")
+                              "(OUT_DIR/<net name>.py) and .safetensors weights; loading "
+                              f"them needs PyTorch and safetensors ({LOAD_WITH}). "
+                              "Supported layers: " + ", ".join(sorted(_HANDLERS)) + ".")
     flag(parser, "model", required=True, help="the deploy prototxt (Input layers)")
     flag(parser, "weights", required=True, help="the .caffemodel with the parameters")
+    flag(parser, "phase", type=_phase, default=pb.TEST, metavar="TRAIN|TEST",
+         help="NetState phase that picks the layers (default TEST)")
+    flag(parser, "level", type=_level, default=0, help="NetState level (default 0)")
+    flag(parser, "stage", default=None, help="comma-separated NetState stages")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="the folder to write to")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    ex = caffe_to_pytorch(args.model, args.weights, args.out_dir)
+    stages = [s for s in (args.stage or "").split(",") if s]
+    ex = caffe_to_pytorch(args.model, args.weights, args.out_dir, phase=args.phase,
+                          level=args.level, stages=stages)
     base = os.path.join(args.out_dir, ex.stem)
+    state = _state(args.phase, args.level, stages)
     print(f"{args.model} + {args.weights} -> {base}.py, {base}.safetensors: "
           f"{len(ex.attributes)} layers, {len(ex.tensors)} tensors, inputs "
-          f"{', '.join(ex.inputs)}, outputs {', '.join(ex.outputs)}", file=sys.stderr)
+          f"{', '.join(ex.inputs)}, outputs {', '.join(ex.outputs)}"
+          f"{f' ({state})' if state else ''}; load them with PyTorch and safetensors "
+          f"({LOAD_WITH})", file=sys.stderr)
     return 0
 
 

@@ -154,10 +154,11 @@ class ParameterServer(Solver):
                                   "training stopped (the last snapshot is intact)")
         self.smoothed.append(loss)
         if p.display and it % p.display == 0:
-            lapse = time.perf_counter() - run.t_start
-            per_s = (it + 1 - run.it_start) / lapse if lapse > 0 else 0.0
+            # pushes since the last line (or the run's start), so that rate x time = pushes
+            lapse, done = time.perf_counter() - run.t_start, it + 1 - run.it_start
+            per_s = done / lapse if lapse > 0 else 0.0
             log.info("Iteration %d (%g iter/s, %.3fs/%d iters), loss = %g", it, per_s, lapse,
-                     p.display, sum(self.smoothed) / len(self.smoothed))
+                     done, sum(self.smoothed) / len(self.smoothed))
             run.t_start, run.it_start = time.perf_counter(), it + 1
             self._log_outputs(self.net, "Train", self._last[replica])
             log.info("Iteration %d, lr = %g", it, so.rate(it=it, **self._lr_params()))
