@@ -130,6 +130,15 @@ def _check_new(db: str) -> None:
 
 
 # -- convert_mnist_data ---------------------------------------------------------------------
+def _read_logged(images: str | os.PathLike, labels: str | os.PathLike, log
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """``read_mnist``, logging the counts as Caffe's MNIST tools do."""
+    pixels, labels_ = read_mnist(images, labels)
+    log.info("A total of %d items.", len(pixels))
+    log.info("Rows: %d Cols: %d", pixels.shape[1], pixels.shape[2])
+    return pixels, labels_
+
+
 def convert_mnist_data(images: str | os.PathLike, labels: str | os.PathLike,
                        db: str | os.PathLike, *, backend: str = "lmdb", log=None) -> int:
     """Caffe's convert_mnist_data: each image becomes a Datum (1 x rows x cols uint8, its
@@ -138,10 +147,8 @@ def convert_mnist_data(images: str | os.PathLike, labels: str | os.PathLike,
     log = log or get_logger()
     _check_backend(backend)
     _check_new(os.fspath(db))
-    pixels, labels_ = read_mnist(images, labels)
+    pixels, labels_ = _read_logged(images, labels, log)
     n, rows, cols = pixels.shape
-    log.info("A total of %d items.", n)
-    log.info("Rows: %d Cols: %d", rows, cols)
     datum = _Datums(1, rows, cols)
     flat = pixels.reshape(n, rows * cols)
     records = ((f"{i:08d}", datum(flat[i].tobytes(), int(labels_[i]))) for i in range(n))
@@ -190,10 +197,8 @@ def convert_mnist_siamese_data(images: str | os.PathLike, labels: str | os.PathL
     _check_backend(backend)
     _check_seed(seed)
     _check_new(os.fspath(db))
-    pixels, labels_ = read_mnist(images, labels)
+    pixels, labels_ = _read_logged(images, labels, log)
     n, rows, cols = pixels.shape
-    log.info("A total of %d items.", n)
-    log.info("Rows: %d Cols: %d", rows, cols)
     first, second, same = siamese_pairs(labels_, seed)
     datum = _Datums(2, rows, cols)
     flat = pixels.reshape(n, rows * cols)

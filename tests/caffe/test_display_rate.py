@@ -9,15 +9,8 @@ import pytest
 
 from purine.caffe import solver as solver_module
 from purine.cli import main as cli_main
+from tests.converters.helpers import TINY_NET as NET
 
-NET = """name: "tiny"
-layer { name: "data" type: "DummyData" top: "data" top: "label" dummy_data_param {
-  shape { dim: 4 dim: 1 dim: 4 dim: 4 } shape { dim: 4 }
-  data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 1 } } }
-layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
-  inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
-"""
 LINE = re.compile(r"Iteration (\d+) \(([\d.e+-]+) iter/s, ([\d.]+)s/(\d+) iters\), loss = ")
 
 

@@ -89,3 +89,14 @@ class Lines(logging.Handler):
 
     def emit(self, record):
         self.lines.append(record.getMessage())
+
+
+# A DummyData net small enough for the command tests (train, test, the display line).
+TINY_NET = """name: "tiny"
+layer { name: "data" type: "DummyData" top: "data" top: "label" dummy_data_param {
+  shape { dim: 4 dim: 1 dim: 4 dim: 4 } shape { dim: 4 }
+  data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 1 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+  inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""

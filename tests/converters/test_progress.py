@@ -15,19 +15,11 @@ from purine import cli
 from purine.caffe import TEST, Net
 from purine.converters import compute_image_mean, convert_imageset, extract_features
 from purine.converters.progress import Progress, wanted
-from tests.converters.helpers import make_imageset
+from tests.converters.helpers import TINY_NET, make_imageset
 
 GLOG = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ [\w.]+:\d+\] ")
 
-NET = """name: "tiny"
-layer { name: "data" type: "DummyData" top: "data" top: "label" dummy_data_param {
-  shape { dim: 4 dim: 1 dim: 4 dim: 4 } shape { dim: 4 }
-  data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 1 } } }
-layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
-  inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
-layer { name: "acc" type: "Accuracy" bottom: "ip" bottom: "label" top: "accuracy" }
-"""
+NET = TINY_NET + 'layer { name: "acc" type: "Accuracy" bottom: "ip" bottom: "label" top: "accuracy" }\n'
 
 DEPLOY = """name: "tiny"
 layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 1 dim: 1 dim: 4 dim: 4 } } }
