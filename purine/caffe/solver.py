@@ -33,6 +33,7 @@ from purine.caffe.private_state import (  # PRIVATE_STATE_FIELD: also imported f
     private_fields,
     state_problem,
 )
+from purine.caffe.setup_log import debug_string
 from purine.errors import ProtoError, PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import (
@@ -257,6 +258,9 @@ class Solver:
         base = os.path.dirname(self.path)
         seed = p.random_seed if p.random_seed >= 0 else int.from_bytes(os.urandom(4), "little")
         self.seed = seed
+        if scheme.root:  # Caffe's root solver logs its set-up
+            self.log.info("Initializing solver from parameters: \n%s",
+                          debug_string(p).removesuffix("\n"))
         train_param, test_params = self._net_params(base)
         # Caffe sets the train net's debug_info to the solver's at every step (on display
         # iterations only), whatever the net's own field says.
@@ -275,6 +279,8 @@ class Solver:
         self.closed = False
         self.test_nets: list[Net] = []
         try:
+            if scheme.root:
+                self.log.info("%s", self._train_source)
             self.net = scheme.make_net(train_param, phase=TRAIN, level=lv, stages=st,
                                        seed=seed + scheme.first, threads=threads,
                                        replica=(scheme.first, scheme.total),
@@ -290,12 +296,16 @@ class Solver:
             for i, tp in enumerate(test_params):
                 s = p.test_state[i] if i < len(p.test_state) else pb.NetState()
                 lv, st = state(s)
+                self.log.info("Creating test net (#%d) specified by %s", i,
+                              self._test_sources[i])
                 self.test_nets.append(scheme.make_net(tp, phase=TEST, level=lv, stages=st,
                                                       seed=seed, threads=threads,
                                                       location=location, dtype=dtype))
             self.share_memory = share_memory
             self._iter_host = 0  # the counter blob's value, known without reading a GPU
             self._build_train()
+            if scheme.root:
+                self.log.info("Solver scaffolding done.")
             self.smoothed: deque[float] = deque(maxlen=max(1, p.average_loss))
             self.requested: Callable[[], str] = lambda: "none"
             self.last_test: list[dict[str, np.ndarray]] = []
@@ -424,10 +434,21 @@ class Solver:
             train = read_net(_resolve(getattr(p, which), base))
         else:
             train = read_net(getattr(p, which))
+        # Where each net comes from, in the words of Caffe's set-up log.
+        self._train_source = {
+            "net": f"Creating training net from net file: {p.net}",
+            "net_param": "Creating training net specified in net_param.",
+            "train_net": f"Creating training net from train_net file: {p.train_net}",
+            "train_net_param": "Creating training net specified in train_net_param.",
+        }[which]
         tests = [read_net(tp) for tp in p.test_net_param]
         tests += [read_net(_resolve(t, base)) for t in p.test_net]
+        self._test_sources = (["test_net_param"] * len(p.test_net_param)
+                              + [f"test_net file: {t}" for t in p.test_net])
         generic = p.HasField("net") or p.HasField("net_param")
         n_test = len(tests) + (max(0, len(p.test_iter) - len(tests)) if generic else 0)
+        self._test_sources += [f"net file: {p.net}" if p.HasField("net") else "net_param"
+                               ] * (n_test - len(tests))
         if len(p.test_iter) != n_test:
             raise ProtoError(f"solver {self.path}: {len(p.test_iter)} test_iter values for "
                              f"{n_test} test nets; give one test_iter per test net")

@@ -271,9 +271,20 @@ def test_solver_logs_its_train_and_test_nets(tmp_path, log_lines):
     Solver(str(path)).close()
     heads = [x.split("\n")[2:4] for x in log_lines if x.startswith("Initializing net")]
     assert heads == [["state {", "  phase: TRAIN"], ["state {", "  phase: TEST"]]
-    assert log_lines[0] == ("The NetState phase (0) differed from the phase (1) specified by "
+    # The solver's own lines, as Caffe's Solver::Init, InitTrainNet and InitTestNets say them.
+    # (the solver's fields in number order, as C++'s DebugString: test_iter is 3, net 24)
+    text = log_lines[0].split("\n")
+    assert text[:3] == ["Initializing solver from parameters: ", "test_iter: 1",
+                        "test_interval: 10"]
+    assert text[-1] == f'net: "{tmp_path}/net.prototxt"'
+    assert log_lines[1] == f"Creating training net from net file: {tmp_path}/net.prototxt"
+    assert log_lines[2] == ("The NetState phase (0) differed from the phase (1) specified by "
                             "a rule in layer sig")
-    assert log_lines.count("Network initialization done.") == 2
+    done = [i for i, x in enumerate(log_lines) if x == "Network initialization done."]
+    assert len(done) == 2
+    assert log_lines[done[0] + 1] == (f"Creating test net (#0) specified by net file: "
+                                      f"{tmp_path}/net.prototxt")
+    assert log_lines[done[1] + 1:] == ["Solver scaffolding done."]
 
 
 def test_cli_writes_the_lines_with_glog_prefixes(tmp_path, capsys):

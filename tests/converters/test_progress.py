@@ -52,8 +52,8 @@ def screen(text):
     return lines
 
 
-# A line of the net text that Caffe's set-up log prints, unprefixed as glog continues a
-# message, after "Initializing net from parameters:".
+# A line of the net (or solver) text that Caffe's set-up log prints, unprefixed as glog
+# continues a message, after "Initializing net from parameters:".
 NET_TEXT = re.compile(r" *(\w+ \{|\w+: \S.*|\})")
 
 
@@ -68,7 +68,8 @@ def messages(lines):
             continue
         assert m, f"not a whole log line: {line!r}"
         out.append(line[m.end():])
-        in_net_text = out[-1].rstrip() == "Initializing net from parameters:"
+        in_net_text = out[-1].rstrip() in ("Initializing net from parameters:",
+                                           "Initializing solver from parameters:")
     return out
 
 
