@@ -303,15 +303,27 @@ def test_a_nul_in_a_binary_solverstate_is_refused(tmp_path):
 
 
 def test_a_layer_name_with_a_newline_gives_a_one_line_error(tmp_path, capsys):
+    import logging
+
     from purine.cli import main
+    from purine.log import get_logger
 
     model = tmp_path / "net.prototxt"
     model.write_text('layer { name: "in\\nput" type: "Nope" top: "x" }')
-    assert main(["test", "--model", str(model), "--iterations", "1"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("purine-caffe test: layer 'in\\nput' (type Nope): unknown layer "
-                          "type; known types: AbsVal, Accuracy, ")
-    assert "\n" not in err
+    log = get_logger()
+    level = log.level
+    log.setLevel(logging.INFO)  # the set-up log's lines too
+    try:
+        assert main(["test", "--model", str(model), "--iterations", "1"]) == 1
+    finally:
+        log.setLevel(level)
+    lines = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in lines if line.startswith("purine-caffe")]
+    assert len(err) == 1 and err[0].startswith(
+        "purine-caffe test: layer 'in\\nput' (type Nope): unknown layer type; known types: "
+        "AbsVal, Accuracy, ")
+    # The set-up log's lines (at INFO) name the layer with the escape too.
+    assert not [line for line in lines if line.startswith("put")]
 
 
 def test_a_diverging_run_prints_no_numpy_warnings(tmp_path, capsys, recwarn):

@@ -15,6 +15,7 @@ import numpy as np
 from google.protobuf import text_encoding
 from google.protobuf.message import Message
 
+from purine.errors import one_line
 from purine.formats import caffe_pb2 as pb
 from purine.formats.prototxt import filter_net, is_repeated
 from purine.log import get_logger
@@ -214,7 +215,7 @@ def setup_log(builder: NetBuilder, param: pb.NetParameter, state: pb.NetState,
         yield
         return
     for line in filter_lines(param, state):
-        log.info("%s", line)
+        log.info("%s", one_line(line))
     log.info("%s", header(param, state))
     hold = _Hold(builder)
     log.addFilter(hold)
@@ -230,8 +231,8 @@ def setup_log(builder: NetBuilder, param: pb.NetParameter, state: pb.NetState,
 def _write(log: logging.Logger, builder: NetBuilder,
            records: list[tuple[int, logging.LogRecord]], built: bool) -> None:
     def out(items: list[str], i: int | None = None) -> None:
-        for line in items:
-            log.info("%s", line)
+        for line in items:  # a name with a newline in it keeps its line whole
+            log.info("%s", one_line(line))
         for at, record in records if i is not None else ():
             if at == i:  # stamped now, so that the log's times never run backwards
                 record.created = time.time()
