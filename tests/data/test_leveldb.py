@@ -239,7 +239,7 @@ def test_backend_mismatch_reads_what_the_folder_holds_and_warns(tmp_path, warnin
                             f"{found}: reading it as one (Caffe would not); add 'backend: "
                             f"{'LMDB' if found == 'an LMDB' else 'LEVELDB'}' to data_param"]
         np.testing.assert_array_equal(batches(net, 1)[0][0], imgs)
-        del net
+        net.close()  # the next round opens the same database (py-lmdb: once per process)
     warnings.clear()
     data_net(ld, batch=3, backend=None)
     assert warnings == []
