@@ -76,7 +76,14 @@ class Link:
         with self._lock:
             self._sending.append((self.comm.Isend(array, dest, tag), array))
             # A send to a lost rank may never complete: it is kept, never waited on.
-            self._sending = [(r, a) for r, a in self._sending if not r.Test()]
+            self._sending = [(r, a) for r, a in self._sending if not self._done(r)]
+
+    def _done(self, req: Any) -> bool:
+        """Whether a send has completed; one the transport failed (its peer died) is done."""
+        try:
+            return bool(req.Test())
+        except self.MPI.Exception:
+            return True
 
     def next_message(self) -> tuple[int, int, Any, int] | None:
         """(source, tag, matched message, value count) of a waiting message, or None."""
@@ -97,8 +104,13 @@ class Link:
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
-                if req.Test():
-                    return buf
+                try:
+                    if req.Test():
+                        return buf
+                except self.MPI.Exception:
+                    # The sender died mid-transfer and the transport says so (MPICH reads a
+                    # large message from the sender's memory: a dead process cannot be read).
+                    return None
             if time.monotonic() > deadline:
                 # MPI may still write into the buffer: it lives as long as the request
                 with self._lock:
@@ -117,7 +129,7 @@ class Link:
         deadline = time.monotonic() + linger
         while self._sending and time.monotonic() < deadline:
             with self._lock:
-                self._sending = [(r, a) for r, a in self._sending if not r.Test()]
+                self._sending = [(r, a) for r, a in self._sending if not self._done(r)]
             time.sleep(POLL_S)
 
 
