@@ -11,6 +11,7 @@ from google.protobuf import message, text_format
 
 from purine.errors import ProtoError
 from purine.formats import caffe_pb2 as pb
+from purine.formats.fork_fields import renumber_net
 from purine.formats.upgrade import net_needs_upgrade, upgrade_net, upgrade_net_input
 
 M = TypeVar("M", bound=message.Message)
@@ -73,8 +74,12 @@ def read_binary(path: str | os.PathLike, msg: M, what: str = "") -> M:
     """Parse the binary protobuf file ``path`` into ``msg``, whatever its suffix; errors
     call the file ``what`` (default: the message's name)."""
     path = os.fspath(path)
+    data = _read_bytes(path)
+    if isinstance(msg, pb.NetParameter):
+        # layers written by Caffe forks whose field numbers clash with BVLC's
+        data = renumber_net(data)
     try:
-        msg.ParseFromString(_read_bytes(path))
+        msg.ParseFromString(data)
     except message.DecodeError as e:
         raise ProtoError(f"{path}: not a binary {what or msg.DESCRIPTOR.name} ({e})") from None
     check_strings(msg, path)

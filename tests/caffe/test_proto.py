@@ -133,16 +133,39 @@ EXPECTED_MESSAGES = [
     "PReLUParameter",
 ]
 
+# Appended after BVLC's messages: the Caffe forks' (SSD, Faster R-CNN, R-FCN, DeepLab,
+# ShuffleNet, SegNet; see tests/formats/test_fork_schema.py for their fields).
+FORK_MESSAGES = [
+    "LabelMapItem", "LabelMap", "Sampler", "SampleConstraint", "BatchSampler",
+    "EmitConstraint", "NormalizedBBox", "Annotation", "AnnotationGroup", "AnnotatedDatum",
+    "ResizeParameter", "SaltPepperParameter", "NoiseParameter", "DistortionParameter",
+    "ExpansionParameter", "AnnotatedDataParameter", "NonMaximumSuppressionParameter",
+    "SaveOutputParameter", "MultiBoxLossParameter", "PermuteParameter",
+    "NormalizeBBoxParameter", "PriorBoxParameter", "DetectionOutputParameter",
+    "DetectionEvaluateParameter", "ROIPoolingParameter", "SmoothL1LossParameter",
+    "ProposalParameter", "PSROIPoolingParameter", "InterpParameter",
+    "ShuffleChannelParameter", "UpsampleParameter",
+]
+# LayerParameter fields the forks add (numbers asserted in tests/formats/test_fork_schema.py).
+FORK_LAYER_FIELDS = {
+    "annotated_data_param", "permute_param", "detection_output_param",
+    "detection_evaluate_param", "norm_param", "prior_box_param", "multibox_loss_param",
+    "roi_pooling_param", "smooth_l1_loss_param", "proposal_param", "psroi_pooling_param",
+    "interp_param", "shuffle_channel_param", "upsample_param",
+}
+
 
 def test_descriptor_inventory():
     fdp = _embedded_fdp()
     assert fdp.package == "caffe"
     assert pb.DESCRIPTOR.package == "caffe"
-    assert [m.name for m in fdp.message_type] == EXPECTED_MESSAGES
+    assert [m.name for m in fdp.message_type] == EXPECTED_MESSAGES + FORK_MESSAGES
     assert [e.name for e in fdp.enum_type] == ["Phase"]
-    nested_enums = sum(len(m.enum_type) for m in fdp.message_type)
-    assert nested_enums == 25
-    for name in EXPECTED_MESSAGES:
+    bvlc_enums = sum(len(m.enum_type) for m in fdp.message_type if m.name in EXPECTED_MESSAGES)
+    assert bvlc_enums == 25
+    # EmitConstraint 1, AnnotatedDatum 1, ResizeParameter 3, MultiBoxLoss 4, PriorBox 1
+    assert sum(len(m.enum_type) for m in fdp.message_type) == 25 + 10
+    for name in EXPECTED_MESSAGES + FORK_MESSAGES:
         cls = getattr(pb, name)
         assert cls.DESCRIPTOR.full_name == "caffe." + name
         assert cls.__module__ == pb.__name__ == "purine.formats.caffe_pb2"
@@ -247,7 +270,9 @@ def test_layer_parameter_field_numbers():
     }
     got = {n: _field(pb.LayerParameter, n).number for n in expected}
     assert got == expected
-    assert len(pb.LayerParameter.DESCRIPTOR.fields) == len(_fields(pb.LayerParameter)) == 60
+    names = {f.name for f in _fields(pb.LayerParameter)}
+    assert len(names - FORK_LAYER_FIELDS) == 60 and FORK_LAYER_FIELDS <= names
+    assert len(pb.LayerParameter.DESCRIPTOR.fields) == len(_fields(pb.LayerParameter)) == 74
     for name in ("bottom", "top", "blobs", "param", "include", "exclude", "loss_weight"):
         assert _field(pb.LayerParameter, name).label == FD.LABEL_REPEATED
     assert _field(pb.LayerParameter, "phase").type_name == ".caffe.Phase"
@@ -392,6 +417,9 @@ def test_solver_parameter_defaults_and_numbers():
         "learned_net": 2,
         "history": 3,
         "current_step": 4,
+        # the SSD fork's "plateau" lr policy state
+        "minimum_loss": 5,
+        "iter_last_event": 6,
     }
 
 
