@@ -5,6 +5,7 @@ from purine.caffe.layers import (  # noqa: F401
     array,
     common,
     data,
+    forks,
     loss,
     neuron,
     normalization,
