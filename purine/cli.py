@@ -398,12 +398,15 @@ def build_parser() -> argparse.ArgumentParser:
         binaryproto,
         compute_image_mean,
         convert_imageset,
+        create_annoset,
         extract_features,
     )
 
     for name, module, text in (
         ("convert_imageset", convert_imageset,
          "images and a list file -> an LMDB or LevelDB of Datums, as Caffe's convert_imageset"),
+        ("create_annoset", create_annoset,
+         "images and box files -> an LMDB of AnnotatedDatums, as SSD's create_annoset"),
         ("compute_image_mean", compute_image_mean,
          "the mean image of an LMDB or LevelDB -> .binaryproto, as Caffe's compute_image_mean"),
         ("extract_features", extract_features,

@@ -29,7 +29,8 @@ CAFFE_TYPES = {
 # The Caffe forks' layers that real models use (issue 26), each named in the README with the
 # fork it came from.
 FORK_TYPES = {
-    "Axpy", "ConvolutionDepthwise", "DepthwiseConvolution", "Interp", "Mish", "ReLU6",
+    "AnnotatedData", "Axpy", "ConvolutionDepthwise", "DepthwiseConvolution", "DetectionOutput",
+    "Interp", "Mish", "MultiBoxLoss", "Normalize", "Permute", "PriorBox", "ReLU6",
     "ShuffleChannel", "Upsample",
 }
 

@@ -7,9 +7,11 @@ from purine.caffe.layers import (  # noqa: F401
     data,
     forks,
     loss,
+    multibox,
     neuron,
     normalization,
     python,
     recurrent,
+    ssd,
     vision,
 )
