@@ -312,21 +312,28 @@ def log_backward(x: Array, dy: Array, dx: Array, *, scale: float, shift: float,
 
 
 # -- Dropout -------------------------------------------------------------------------------
+def _dropout_scale(ratio: float, scale_train: bool) -> float:
+    """Caffe's 1 / (1 - ratio); 1 where the Fast R-CNN fork's ``scale_train: false`` leaves
+    training outputs unscaled (its test outputs are scaled by 1 - ratio instead)."""
+    return 1.0 / (1.0 - ratio) if scale_train else 1.0
+
+
 def _dropout_forward_gpu(x: Array, y: Array, mask: Array, *, ratio: float,
-                         rng: RandomStream) -> None:
+                         rng: RandomStream, scale_train: bool = True) -> None:
     xp = get_array_module(x)
     draw = (rng.next().random(x.shape) < 1.0 - ratio).astype(mask.dtype)
     if mask.flags.c_contiguous:
         mask.set(draw, stream=xp.cuda.get_current_stream())
     else:
         mask[...] = xp.asarray(draw)
-    _fused("dropout")(x, mask, 1.0 / (1.0 - ratio), y)
+    _fused("dropout")(x, mask, _dropout_scale(ratio, scale_train), y)
 
 
 @device_variant(_dropout_forward_gpu)
 def dropout_forward(x: Array, y: Array, mask: Array, *, ratio: float,
-                    rng: RandomStream) -> None:
-    """Training-time dropout: mask ~ Bernoulli(1 - ratio), y = x * mask / (1 - ratio).
+                    rng: RandomStream, scale_train: bool = True) -> None:
+    """Training-time dropout: mask ~ Bernoulli(1 - ratio), y = x * mask / (1 - ratio)
+    (without the division under ``scale_train=False``).
 
     The mask is drawn from the layer's own host stream at every call (then moved to the
     array's device), so a net gives the same masks on every device and thread schedule. On a
@@ -334,15 +341,20 @@ def dropout_forward(x: Array, y: Array, mask: Array, *, ratio: float,
     on the op's stream."""
     mask[...] = np.asarray(rng.next().random(x.shape) < 1.0 - ratio)
     np.multiply(x, mask, out=y)
-    y *= 1.0 / (1.0 - ratio)
+    if scale_train:
+        y *= 1.0 / (1.0 - ratio)
 
 
-def _dropout_backward_gpu(mask: Array, dy: Array, dx: Array, *, ratio: float) -> None:
-    _fused("dropout")(dy, mask, 1.0 / (1.0 - ratio), dx)
+def _dropout_backward_gpu(mask: Array, dy: Array, dx: Array, *, ratio: float,
+                          scale_train: bool = True) -> None:
+    _fused("dropout")(dy, mask, _dropout_scale(ratio, scale_train), dx)
 
 
 @device_variant(_dropout_backward_gpu)
-def dropout_backward(mask: Array, dy: Array, dx: Array, *, ratio: float) -> None:
-    """dx = dy * mask / (1 - ratio), through the mask the last forward drew."""
+def dropout_backward(mask: Array, dy: Array, dx: Array, *, ratio: float,
+                     scale_train: bool = True) -> None:
+    """dx = dy * mask / (1 - ratio) (dy * mask under ``scale_train=False``), through the
+    mask the last forward drew."""
     np.multiply(dy, mask, out=dx)
-    dx *= 1.0 / (1.0 - ratio)
+    if scale_train:
+        dx *= 1.0 / (1.0 - ratio)

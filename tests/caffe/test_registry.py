@@ -30,8 +30,8 @@ CAFFE_TYPES = {
 # fork it came from.
 FORK_TYPES = {
     "AnnotatedData", "Axpy", "ConvolutionDepthwise", "DepthwiseConvolution", "DetectionOutput",
-    "Interp", "Mish", "MultiBoxLoss", "Normalize", "Permute", "PriorBox", "ReLU6",
-    "ShuffleChannel", "Upsample",
+    "Interp", "Mish", "MultiBoxLoss", "Normalize", "Permute", "PriorBox", "Proposal",
+    "PSROIPooling", "ReLU6", "ROIPooling", "ShuffleChannel", "SmoothL1Loss", "Upsample",
 }
 
 

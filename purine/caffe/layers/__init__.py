@@ -11,6 +11,7 @@ from purine.caffe.layers import (  # noqa: F401
     neuron,
     normalization,
     python,
+    rcnn,
     recurrent,
     ssd,
     vision,

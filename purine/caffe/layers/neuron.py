@@ -228,6 +228,18 @@ def dropout(L: LayerBuild):
     if not 0 <= ratio < 1:
         raise L.error(f"dropout_param.dropout_ratio must be in [0, 1), got {ratio}")
     y = L.top(0, x.shape)
+    # Fast R-CNN's fork: scale_train false keeps training outputs unscaled and scales test
+    # outputs by 1 - ratio instead (OpenCV's importer makes that a Power layer).
+    scaled = L.param.dropout_param.scale_train
+    if L.phase != pb.TRAIN and not scaled:
+        L.forward(act.power_forward, [x], [y], op_type="DropoutForward", power=1.0,
+                  scale=1.0 - ratio, shift=0.0)
+
+        def backward_test_unscaled():
+            if L.needs_diff(0):
+                L.backward(act.power_backward_linear, [L.top_diff(0)], [L.bottom_diff(0)],
+                           op_type="DropoutBackward", diff_scale=1.0 - ratio)
+        return backward_test_unscaled
     if L.phase != pb.TRAIN:
         # TEST: the identity, a copy as in Caffe (nothing at all in place).
         if not in_place:
@@ -240,10 +252,12 @@ def dropout(L: LayerBuild):
         return backward_test
 
     mask = L.scratch("mask", x.shape, "uint8")
-    L.forward(act.dropout_forward, [x], [y, mask], ratio=ratio, rng=L.random_stream())
+    unscaled = {} if scaled else {"scale_train": False}
+    L.forward(act.dropout_forward, [x], [y, mask], ratio=ratio, rng=L.random_stream(),
+              **unscaled)
 
     def backward():
         if L.needs_diff(0):
             L.backward(act.dropout_backward, [mask, L.top_diff(0)], [L.bottom_diff(0)],
-                       ratio=ratio)
+                       ratio=ratio, **unscaled)
     return backward
