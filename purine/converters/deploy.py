@@ -7,6 +7,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from purine.converters import ConvertError
 
 
@@ -25,10 +27,37 @@ DATA_TYPES = frozenset({"Data", "ImageData", "HDF5Data", "MemoryData", "DummyDat
                         "WindowData"})
 
 
+# The Caffe fork each non-BVLC layer type comes from, named in an exporter's refusal.
+FORKS = {
+    **dict.fromkeys(("Normalize", "Permute", "PriorBox", "DetectionOutput", "MultiBoxLoss",
+                     "AnnotatedData"), "SSD, weiliu89/caffe"),
+    **dict.fromkeys(("ROIPooling", "SmoothL1Loss"), "Fast R-CNN, rbgirshick/caffe-fast-rcnn"),
+    "PSROIPooling": "R-FCN, daijifeng001/caffe-rfcn",
+    "Proposal": "Faster R-CNN's Python layer as OpenCV's Caffe importer runs it",
+    "Interp": "DeepLab / PSPNet", "ShuffleChannel": "ShuffleNet",
+    **dict.fromkeys(("ConvolutionDepthwise", "DepthwiseConvolution", "ReLU6"),
+                    "the MobileNet ports"),
+    "Mish": "the YOLOv4 ports", "Upsample": "SegNet / the YOLOv3 ports", "Axpy": "SENet",
+}
+
+_DEPLOY = "; export a deploy prototxt without it"
+# The forks' layers that only a training net has, and why no exporter writes them.
+TRAIN_ONLY = {
+    "MultiBoxLoss": "a training layer (prior matching, hard-negative mining and the loss)"
+                    + _DEPLOY,
+    "AnnotatedData": "a training layer (reads AnnotatedDatum LMDBs and samples crops)"
+                     + "; export a deploy prototxt whose inputs are Input layers",
+    "SmoothL1Loss": "a training layer (the box regression loss)" + _DEPLOY,
+}
+
+
 def unsupported(L: Any, target: str, supported: Iterable[str], why: str = "") -> ConvertError:
     """The error for layer ``L`` that has no exact ``target`` (ONNX, PyTorch) form: ``why``,
-    or the types the exporter supports and, for a train net's layers, what to export."""
-    head = f"layer '{L.param.name}' (type {L.type}): no exact {target} form"
+    or the types the exporter supports and, for a train net's layers, what to export. A
+    fork's layer type names its fork."""
+    fork = f", from {FORKS[L.type]}" if L.type in FORKS else ""
+    head = f"layer '{L.param.name}' (type {L.type}{fork}): no exact {target} form"
+    why = why or TRAIN_ONLY.get(L.type, "")
     if why:
         return ConvertError(f"{head}: {why}")
     hint = ""
@@ -37,6 +66,16 @@ def unsupported(L: Any, target: str, supported: Iterable[str], why: str = "") ->
     elif "Loss" in L.type or L.type == "Accuracy":
         hint = "; export a deploy prototxt, without loss and accuracy layers"
     return ConvertError(f"{head} (supported: {', '.join(sorted(supported))}){hint}")
+
+
+def computed_top(L: Any) -> np.ndarray:
+    """Top 0 of a layer whose output depends on shapes and parameters alone (PriorBox), as
+    float32: its own forward kernel run on the host over zero-filled bottoms it ignores."""
+    top = L.tops[0]
+    value = np.zeros(top.shape, np.float32)
+    (op,) = [o for o in L.forward_ops if top in o.outputs]
+    op.kernel([np.zeros(b.shape, np.float32) for b in op.inputs], [value])
+    return value
 
 
 def axis_index(L: Any, axis: int, ndim: int, target: str) -> int:

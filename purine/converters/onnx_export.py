@@ -16,7 +16,12 @@ import numpy as np
 
 from purine.caffe.layers.vision import pool_values, spatial_values
 from purine.converters import ConvertError, flag, run_main
-from purine.converters.deploy import axis_index, copy_every_layer, unsupported
+from purine.converters.deploy import (
+    axis_index,
+    computed_top,
+    copy_every_layer,
+    unsupported,
+)
 from purine.converters.progress import Progress
 from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
@@ -197,12 +202,13 @@ class _Exporter:
 
 
 def _unsupported(L: LayerBuild, why: str = "") -> ConvertError:
-    return unsupported(L, "ONNX", _HANDLERS, why)
+    return unsupported(L, "ONNX", _HANDLERS, why or _REFUSED.get(L.type, ""))
 
 
 def _is_alias(L: LayerBuild) -> bool:
-    return L.type in ("Dropout", "Split", "Silence") or (L.type == "Concat"
-                                                         and len(L.param.bottom) == 1)
+    return L.type in ("Dropout", "Split", "Silence") or (
+        L.type == "Concat" and len(L.param.bottom) == 1) or (
+        L.type == "Permute" and _order(L) == list(range(len(L.bottoms[0].shape))))
 
 
 def _axis(L: LayerBuild, axis: int, ndim: int) -> int:
@@ -239,9 +245,11 @@ def _convolution(ex: _Exporter, L: LayerBuild) -> None:
     weight = ex.param(L, 0)
     spatial = weight.ndim - 2
     pad = spatial_values(L, p, "pad", spatial, 0)
+    # The depthwise types convolve each channel alone, group given or not (as they build).
+    group = L.bottoms[0].shape[1] if L.type in _DEPTHWISE else p.group
     attrs = dict(kernel_shape=list(weight.shape[2:]),
                  strides=spatial_values(L, p, "stride", spatial, 1), pads=pad + pad,
-                 dilations=spatial_values(L, p, "dilation", spatial, 1), group=p.group)
+                 dilations=spatial_values(L, p, "dilation", spatial, 1), group=group)
     ins = [ex.const(f"{L.name}/weight", weight)]
     if p.bias_term:
         ins.append(ex.const(f"{L.name}/bias", ex.param(L, 1)))
@@ -523,6 +531,165 @@ def _reshape(ex: _Exporter, L: LayerBuild) -> None:
     ex.reshape(L, ex.bottom(L, 0), ex.shape_of(top), ex.define(L, 0), ex.probe_of(top))
 
 
+# -- the forks' layers --------------------------------------------------------------------
+_DEPTHWISE = ("ConvolutionDepthwise", "DepthwiseConvolution")
+
+
+def _relu6(ex: _Exporter, L: LayerBuild) -> None:
+    lo, hi = (ex.const(f"{L.name}/{k}", np.float32(v)) for k, v in (("min", 0), ("max", 6)))
+    ex.node("Clip", [ex.bottom(L, 0), lo, hi], [ex.define(L, 0)], f"{L.name}/Clip")
+
+
+def _mish(ex: _Exporter, L: LayerBuild) -> None:
+    # ONNX's Mish op came with opset 18; at opset 17 it is spelt out, x * tanh(softplus(x)).
+    x, n = ex.bottom(L, 0), L.name
+    soft, tanh = ex.fresh(f"{n}/softplus"), ex.fresh(f"{n}/tanh")
+    ex.node("Softplus", [x], [soft], f"{n}/Softplus")
+    ex.node("Tanh", [soft], [tanh], f"{n}/Tanh")
+    ex.node("Mul", [x, tanh], [ex.define(L, 0)], f"{n}/Mul")
+
+
+def _order(L: LayerBuild) -> list[int]:
+    """Permute's whole axis order: the axes it names, then the others in their order."""
+    named = list(L.param.permute_param.order)
+    return named + [i for i in range(len(L.bottoms[0].shape)) if i not in named]
+
+
+def _permute(ex: _Exporter, L: LayerBuild) -> None:
+    order = _order(L)
+    if order == sorted(order):  # the builder names the bottom's blob: no tensor of its own
+        ex.alias(L, 0, ex.bottom(L, 0))
+        return
+    ex.node("Transpose", [ex.bottom(L, 0)], [ex.define(L, 0)], f"{L.name}/Transpose",
+            perm=order)
+
+
+def _shuffle_channel(ex: _Exporter, L: LayerBuild) -> None:
+    # The channels read as a (group, C / group) grid and transposed: pure data movement.
+    group, n = L.param.shuffle_channel_param.group, L.name
+    shape, top = L.bottoms[0].shape, L.param.top[0]
+    other = ex.probe_of(L.param.bottom[0])
+    grid, swapped = ex.fresh(f"{n}/grid"), ex.fresh(f"{n}/swapped")
+
+    def grid_shape(s: Sequence[int]) -> tuple[int, ...]:
+        return (s[0], group, s[1] // group, math.prod(s[2:]))
+
+    ex.reshape(L, ex.bottom(L, 0), grid_shape(shape), grid, grid_shape(other))
+    ex.node("Transpose", [grid], [swapped], f"{n}/Transpose", perm=[0, 2, 1, 3])
+    ex.reshape(L, swapped, ex.shape_of(top), ex.define(L, 0), ex.probe_of(top))
+
+
+def _axpy(ex: _Exporter, L: LayerBuild) -> None:
+    a, x, y = (ex.bottom(L, i) for i in range(3))
+    n = L.name
+    extra = len(L.bottoms[1].shape) - len(L.bottoms[0].shape)
+    if extra:  # an (N, C) scale lined up with x's (N, C, ...)
+        axes = ex.const(f"{n}/axes", np.arange(2, 2 + extra), np.int64)
+        lined = ex.fresh(f"{n}/scale")
+        ex.node("Unsqueeze", [a, axes], [lined], f"{n}/Unsqueeze")
+        a = lined
+    scaled = ex.fresh(f"{n}/scaled")
+    ex.node("Mul", [a, x], [scaled], f"{n}/Mul")
+    ex.node("Add", [scaled, y], [ex.define(L, 0)], f"{n}/Add")
+
+
+def _sizes(ex: _Exporter, L: LayerBuild, x: str, plane: Sequence[int]) -> str:
+    """Resize's sizes input: x's (N, C), whatever the batch, then ``plane``."""
+    n = L.name
+    nc = ex.fresh(f"{n}/num_channels")
+    ex.node("Shape", [x], [nc], f"{n}/Shape", start=0, end=2)
+    sizes = ex.fresh(f"{n}/sizes")
+    ex.node("Concat", [nc, ex.const(f"{n}/plane", np.array(plane), np.int64)], [sizes],
+            f"{n}/Sizes", axis=0)
+    return sizes
+
+
+def _interp(ex: _Exporter, L: LayerBuild) -> None:
+    p, n = L.param.interp_param, L.name
+    x = ex.bottom(L, 0)
+    h, w = L.bottoms[0].shape[2:]
+    if p.pad_beg or p.pad_end:  # both <= 0: a crop of the input before the resize
+        begin = ex.const(f"{n}/crop_begin", np.array([-p.pad_beg] * 2), np.int64)
+        end = ex.const(f"{n}/crop_end", np.array([h + p.pad_end, w + p.pad_end]), np.int64)
+        axes = ex.const(f"{n}/crop_axes", np.array([2, 3]), np.int64)
+        cropped = ex.fresh(f"{n}/cropped")
+        ex.node("Slice", [x, begin, end, axes], [cropped], f"{n}/Crop")
+        x = cropped
+    # The fork's bilinear weights with the corners aligned: position o * (in - 1) / (out - 1)
+    # along each axis, which is Resize's align_corners transform.
+    sizes = _sizes(ex, L, x, ex.shape_of(L.param.top[0])[2:])
+    ex.node("Resize", [x, "", "", sizes], [ex.define(L, 0)], f"{n}/Resize", mode="linear",
+            coordinate_transformation_mode="align_corners")
+
+
+def _upsample(ex: _Exporter, L: LayerBuild) -> None:
+    if len(L.bottoms) == 2:
+        raise _unsupported(L, "the SegNet form (a mask bottom) puts each value where a MAX "
+                              "Pooling's argmax top says, and that top is not exported "
+                              "(ONNX's MaxPool indices count over the whole tensor); only the "
+                              "one-bottom nearest-neighbour Upsample is")
+    s = L.param.upsample_param.scale
+    scales = ex.const(f"{L.name}/scales", np.array([1, 1, s, s], np.float32))
+    # Output cell i reads input floor(i / scale): the asymmetric transform, rounded down.
+    ex.node("Resize", [ex.bottom(L, 0), "", scales], [ex.define(L, 0)], f"{L.name}/Resize",
+            mode="nearest", coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+
+
+def _normalize(ex: _Exporter, L: LayerBuild) -> None:
+    # y = scale * x / sqrt(sum(x^2) + eps): eps inside the root, as the fork adds it.
+    p, n = L.param.norm_param, L.name
+    x = ex.bottom(L, 0)
+    ndim = len(L.bottoms[0].shape)
+    axes = list(range(1, ndim)) if p.across_spatial else [1]
+    sq, shifted, norm, unit = (ex.fresh(f"{n}/{k}") for k in ("sum_sq", "plus_eps", "norm",
+                                                             "unit"))
+    ex.node("ReduceSumSquare", [x], [sq], f"{n}/ReduceSumSquare", axes=axes, keepdims=1)
+    ex.node("Add", [sq, ex.const(f"{n}/eps", np.float32(p.eps))], [shifted], f"{n}/Eps")
+    ex.node("Sqrt", [shifted], [norm], f"{n}/Sqrt")
+    ex.node("Div", [x, norm], [unit], f"{n}/Div")
+    scale = ex.param(L, 0)  # () when channel_shared, else (C,) lined up with axis 1
+    scale = scale.reshape(scale.shape + (1,) * (ndim - 2) if scale.ndim else ())
+    ex.node("Mul", [unit, ex.const(f"{n}/scale", scale)], [ex.define(L, 0)], f"{n}/Scale")
+
+
+def _prior_box(ex: _Exporter, L: LayerBuild) -> None:
+    # The boxes depend on the blobs' shapes and the parameters alone: the layer's own kernel
+    # computes them once, here, into a Constant.
+    tensor = ex.onnx.numpy_helper.from_array(computed_top(L), f"{L.name}/boxes")
+    ex.node("Constant", [], [ex.define(L, 0)], f"{L.name}/Constant", value=tensor)
+
+
+def _roi_pooling(ex: _Exporter, L: LayerBuild) -> None:
+    # MaxRoiPool is Fast R-CNN's ROIPooling: corners rounded half away from zero after
+    # scaling, at least one cell, bin p over [floor(p * size / pooled), ceil((p + 1) * size /
+    # pooled)) in float32, clipped, 0 for an empty bin.
+    p, n = L.param.roi_pooling_param, L.name
+    rois = ex.bottom(L, 1)
+    if len(L.bottoms[1].shape) != 2:  # (R, 5, 1, 1) as (R, 5)
+        rows = ex.fresh(f"{n}/rois")
+        ex.node("Reshape", [rois, ex.const(f"{n}/rows", np.array([-1, 5]), np.int64)], [rows],
+                f"{n}/Rows")
+        rois = rows
+    ex.node("MaxRoiPool", [ex.bottom(L, 0), rois], [ex.define(L, 0)], f"{n}/MaxRoiPool",
+            pooled_shape=[p.pooled_h, p.pooled_w], spatial_scale=p.spatial_scale)
+
+
+_REFUSED = {
+    "DetectionOutput": "the fork's per-class top_k, NMS (with eta's shrinking threshold) and "
+                       "keep_top_k across classes give a data-dependent number of rows in "
+                       "its own order (image, label, NMS order); ONNX's NonMaxSuppression "
+                       f"(opset {OPSET}) has no eta and no pre-NMS top_k, and its rows come in "
+                       "another order; export the net up to the loc, conf and prior blobs "
+                       "and run the detection step outside",
+    "Proposal": "its NMS measures boxes in pixels with +1 widths ((x2 - x1 + 1)(y2 - y1 + 1) "
+                "areas) and pads the rows to post_nms_topn, which ONNX's NonMaxSuppression "
+                "(continuous areas, a data-dependent count) does not reproduce",
+    "PSROIPooling": "position-sensitive average pooling (bin (i, j) of output channel d reads "
+                    "input channel (d * group + i) * group + j) has no ONNX operator; "
+                    "RoiAlign samples bilinearly instead of averaging the bin's cells",
+}
+
+
 _HANDLERS: dict[str, Callable[[_Exporter, LayerBuild], None]] = {
     "Input": _input, "Split": _split, "Dropout": _dropout, "Silence": _silence,
     "Convolution": _convolution, "Deconvolution": _convolution, "Pooling": _pooling,
@@ -530,6 +697,11 @@ _HANDLERS: dict[str, Callable[[_Exporter, LayerBuild], None]] = {
     "Sigmoid": _unary("Sigmoid"), "TanH": _unary("Tanh"), "Softmax": _softmax,
     "Concat": _concat, "Eltwise": _eltwise, "BatchNorm": _batch_norm, "Scale": _scale,
     "Bias": _bias, "Flatten": _reshape, "Reshape": _reshape,
+    # the forks' layers (purine.caffe.layers.forks, ssd and rcnn)
+    **dict.fromkeys(_DEPTHWISE, _convolution), "ReLU6": _relu6, "Mish": _mish,
+    "Permute": _permute, "ShuffleChannel": _shuffle_channel, "Axpy": _axpy,
+    "Interp": _interp, "Upsample": _upsample, "Normalize": _normalize,
+    "PriorBox": _prior_box, "ROIPooling": _roi_pooling,
 }
 
 

@@ -22,7 +22,12 @@ import numpy as np
 
 from purine.caffe.layers.vision import pool_values, spatial_values
 from purine.converters import ConvertError, flag, run_main
-from purine.converters.deploy import axis_index, copy_every_layer, unsupported
+from purine.converters.deploy import (
+    axis_index,
+    computed_top,
+    copy_every_layer,
+    unsupported,
+)
 from purine.converters.progress import Progress
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write
@@ -217,11 +222,116 @@ class Reshape(nn.Module):
         middle = [x.shape[self.start + i] if d == 0 else d for i, d in enumerate(self.shape)]
         return x.reshape(*x.shape[:self.start], *middle, *x.shape[self.end:])
 ''',
+    "Permute": '''
+class Permute(nn.Module):
+    """The SSD fork's Permute: x's axes in ``order``."""
+
+    def __init__(self, order: tuple[int, ...]) -> None:
+        super().__init__()
+        self.order = order
+
+    def extra_repr(self) -> str:
+        return f"order={self.order}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.permute(*self.order)
+''',
+    "ShuffleChannel": '''
+class ShuffleChannel(nn.Module):
+    """ShuffleNet's channel shuffle: the channels read as a (group, C / group) grid and
+    transposed."""
+
+    def __init__(self, group: int) -> None:
+        super().__init__()
+        self.group = group
+
+    def extra_repr(self) -> str:
+        return f"group={self.group}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c = x.shape[:2]
+        grid = x.reshape(n, self.group, c // self.group, -1).transpose(1, 2)
+        return grid.reshape(x.shape)
+''',
+    "Axpy": '''
+class Axpy(nn.Module):
+    """SENet's Axpy: a per-channel scale (N, C) or (N, C, 1, 1) times x, plus y."""
+
+    def forward(self, a: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return a.reshape(*a.shape[:2], *(1,) * (x.dim() - 2)) * x + y
+''',
+    "Interp": '''
+class Interp(nn.Module):
+    """DeepLab's Interp: the crop (top, left, height, width) of x resized to ``size``,
+    bilinear with the corners aligned."""
+
+    def __init__(self, size: tuple[int, int], crop: tuple[int, int, int, int] | None = None
+                 ) -> None:
+        super().__init__()
+        self.size, self.crop = size, crop
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}" + ("" if self.crop is None else f", crop={self.crop}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.crop is not None:
+            top, left, h, w = self.crop
+            x = x[:, :, top:top + h, left:left + w]
+        return F.interpolate(x, size=self.size, mode="bilinear", align_corners=True)
+''',
+    "UpsampleNearest": '''
+class UpsampleNearest(nn.Module):
+    """The YOLOv3 ports' Upsample: each value repeated into a scale x scale block."""
+
+    def __init__(self, scale: int) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = x.shape
+        s = self.scale
+        return x[:, :, :, None, :, None].expand(n, c, h, s, w, s).reshape(n, c, h * s, w * s)
+''',
+    "Normalize": '''
+class Normalize(nn.Module):
+    """SSD's Normalize: x / sqrt(sum of x^2 + eps) times a learned scale (one value, or one
+    per channel); the sum over a whole sample, or over the channels at each position."""
+
+    def __init__(self, shape: tuple[int, ...], across_spatial: bool = True,
+                 eps: float = 1e-10) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(shape))
+        self.across_spatial, self.eps = across_spatial, eps
+
+    def extra_repr(self) -> str:
+        return f"across_spatial={self.across_spatial}, eps={self.eps}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        axes = tuple(range(1, x.dim())) if self.across_spatial else (1,)
+        norm = torch.sqrt((x * x).sum(axes, keepdim=True) + self.eps)
+        return x / norm * self.weight.reshape(*self.weight.shape, *(1,) * (x.dim() - 2))
+''',
+    "PriorBox": '''
+class PriorBox(nn.Module):
+    """SSD's PriorBox: its boxes depend on the shapes alone, so they are a stored constant
+    (computed at export; another input size needs another export)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.register_buffer("boxes", torch.zeros(shape))
+
+    def forward(self) -> torch.Tensor:
+        return self.boxes
+''',
 }
 # Helpers that others call.
 _NEEDS = {"Scale": ["line_up"], "Bias": ["line_up"]}
 _HELPER_ORDER = ["Pooling", "WithinChannelLRN", "Concat", "Eltwise", "line_up", "Scale",
-                 "Bias", "Reshape"]
+                 "Bias", "Reshape", "Permute", "ShuffleChannel", "Axpy", "Interp",
+                 "UpsampleNearest", "Normalize", "PriorBox"]
 
 
 # -- names ---------------------------------------------------------------------------------
@@ -418,7 +528,7 @@ class _Writer:
                "identifiers; where",
                'they differ, a comment above the attribute gives the Caffe name."""', "",
                "import torch"]
-        if "Pooling" in self.helpers or "WithinChannelLRN" in self.helpers:
+        if {"Pooling", "WithinChannelLRN", "Interp"} & set(self.helpers):
             doc.append("import torch.nn.functional as F")
         doc.append("from torch import nn")
         helpers = [_HELPERS[h] for h in _HELPER_ORDER if h in self.helpers]
@@ -444,7 +554,7 @@ def _doc(text: str) -> str:
 
 
 def _unsupported(L: LayerBuild, why: str = "") -> ConvertError:
-    return unsupported(L, "PyTorch", _HANDLERS, why)
+    return unsupported(L, "PyTorch", _HANDLERS, why or _REFUSED.get(L.type, ""))
 
 
 def _axis(L: LayerBuild, axis: int, ndim: int) -> int:
@@ -484,13 +594,15 @@ def _convolution(w: _Writer, L: LayerBuild) -> None:
     # Caffe's (num_output, channels / group, k...) is Conv's layout; Deconvolution's
     # (channels, num_output / group, k...) is ConvTranspose's.
     channels, outputs = L.bottoms[0].shape[1], p.num_output
+    # The depthwise types convolve each channel alone, group given or not (as they build).
+    group = channels if L.type in _DEPTHWISE else p.group
     args = [str(channels), str(outputs), f"kernel_size={_ints(weight.shape[2:])}"]
     for name, default in (("stride", 1), ("pad", 0), ("dilation", 1)):
         values = spatial_values(L, p, name, spatial, default)
         if any(v != default for v in values):
             args.append(f"{'padding' if name == 'pad' else name}={_ints(values)}")
-    if p.group != 1:
-        args.append(f"groups={p.group}")
+    if group != 1:
+        args.append(f"groups={group}")
     if not p.bias_term:
         args.append("bias=False")
     kind = f"ConvTranspose{spatial}d" if deconv else f"Conv{spatial}d"
@@ -678,6 +790,86 @@ def _reshape(w: _Writer, L: LayerBuild) -> None:
     w.module(L, "Reshape", str(tuple(p.shape.dim)), f"start={start}", f"end={end}")
 
 
+# -- the forks' layers ---------------------------------------------------------------------
+_DEPTHWISE = ("ConvolutionDepthwise", "DepthwiseConvolution")
+
+
+def _order(L: LayerBuild) -> list[int]:
+    """Permute's whole axis order: the axes it names, then the others in their order."""
+    named = list(L.param.permute_param.order)
+    return named + [i for i in range(len(L.bottoms[0].shape)) if i not in named]
+
+
+def _permute(w: _Writer, L: LayerBuild) -> None:
+    order = _order(L)
+    if order == sorted(order):  # the builder names the bottom's blob: so does the module
+        _alias(w, L)
+        return
+    w.need("Permute")
+    w.module(L, "Permute", str(tuple(order)))
+
+
+def _shuffle_channel(w: _Writer, L: LayerBuild) -> None:
+    w.need("ShuffleChannel")
+    w.module(L, "ShuffleChannel", str(L.param.shuffle_channel_param.group))
+
+
+def _axpy(w: _Writer, L: LayerBuild) -> None:
+    w.need("Axpy")
+    w.module(L, "Axpy")
+
+
+def _interp(w: _Writer, L: LayerBuild) -> None:
+    p = L.param.interp_param
+    h, wd = L.bottoms[0].shape[2:]
+    args = [str(tuple(w.net.builder.data[L.param.top[0]].shape[2:]))]
+    if p.pad_beg or p.pad_end:  # both <= 0: the part of the input that is resized
+        crop = (-p.pad_beg, -p.pad_beg, h + p.pad_beg + p.pad_end, wd + p.pad_beg + p.pad_end)
+        args.append(f"crop={crop}")
+    w.need("Interp")
+    # A second bottom gives only the size: the call reads the first.
+    w.module(L, "Interp", *args, call=[w.cur[L.param.bottom[0]]])
+
+
+def _upsample(w: _Writer, L: LayerBuild) -> None:
+    if len(L.bottoms) == 2:
+        raise _unsupported(L, "the SegNet form (a mask bottom) puts each value where a MAX "
+                              "Pooling's argmax top says, and that top is not exported; only "
+                              "the one-bottom nearest-neighbour Upsample is")
+    w.need("UpsampleNearest")
+    w.module(L, "UpsampleNearest", str(L.param.upsample_param.scale))
+
+
+def _normalize(w: _Writer, L: LayerBuild) -> None:
+    p = L.param.norm_param
+    scale = w.param(L, 0)
+    w.need("Normalize")
+    attr = w.module(L, "Normalize", str(tuple(scale.shape)),
+                    f"across_spatial={p.across_spatial}", f"eps={_num(p.eps)}")
+    w.state(attr, "weight", scale, L, 0)
+
+
+def _prior_box(w: _Writer, L: LayerBuild) -> None:
+    # The boxes follow from shapes and parameters: the layer's own kernel computes them here.
+    value = computed_top(L)
+    w.need("PriorBox")
+    attr = w.module(L, "PriorBox", str(value.shape), call=[])
+    w.state(attr, "boxes", value)
+
+
+_REFUSED = {
+    "DetectionOutput": "the fork's per-class top_k, NMS (with eta's shrinking threshold) and "
+                       "keep_top_k across classes give a data-dependent number of rows; torch "
+                       "has no NMS op (torchvision's is another package and keeps no top_k "
+                       "or eta); export the net up to the loc, conf and prior blobs",
+    "Proposal": "py-faster-rcnn's NMS (+1 pixel widths, rows padded to post_nms_topn) has no "
+                "torch op",
+    "ROIPooling": "torch has no ROI pooling op (torchvision.ops.roi_pool rounds as Fast "
+                  "R-CNN, but the generated module imports torch alone)",
+    "PSROIPooling": "torch has no position-sensitive ROI pooling op",
+}
+
+
 _HANDLERS: dict[str, Callable[[_Writer, LayerBuild], None]] = {
     **{t: _input for t in _INPUT_TYPES}, "Split": _alias, "Silence": _silence,
     "Convolution": _convolution, "Deconvolution": _convolution, "Pooling": _pooling,
@@ -685,6 +877,11 @@ _HANDLERS: dict[str, Callable[[_Writer, LayerBuild], None]] = {
     "Sigmoid": _fixed("nn.Sigmoid"), "TanH": _fixed("nn.Tanh"), "Dropout": _dropout,
     "Softmax": _softmax, "Concat": _concat, "Eltwise": _eltwise, "Scale": _scale,
     "Bias": _bias, "BatchNorm": _batch_norm, "Flatten": _flatten, "Reshape": _reshape,
+    # the forks' layers (purine.caffe.layers.forks and ssd)
+    **dict.fromkeys(_DEPTHWISE, _convolution), "ReLU6": _fixed("nn.ReLU6"),
+    "Mish": _fixed("nn.Mish"), "Permute": _permute, "ShuffleChannel": _shuffle_channel,
+    "Axpy": _axpy, "Interp": _interp, "Upsample": _upsample, "Normalize": _normalize,
+    "PriorBox": _prior_box,
 }
 
 

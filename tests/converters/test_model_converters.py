@@ -471,7 +471,7 @@ def test_onnx_refusals(tmp_path):
     """
     cases = [
         ('layer { name: "act" type: "ELU" bottom: "data" top: "act" }',
-         r"layer 'act' \(type ELU\): no exact ONNX form \(supported: BatchNorm, .*Convolution, "),
+         r"layer 'act' \(type ELU\): no exact ONNX form \(supported: Axpy, BatchNorm, .*Convolution, "),
         # Caffe's last window starts at 6, past the input: an empty window.
         ('layer { name: "p" type: "Pooling" bottom: "data" top: "p" '
          'pooling_param { pool: AVE kernel_size: 2 stride: 3 } }',

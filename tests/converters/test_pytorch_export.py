@@ -415,7 +415,7 @@ BASE = """layer { name: "data" type: "Input" top: "data"
 
 @pytest.mark.parametrize("layer,message", [
     ('layer { name: "act" type: "AbsVal" bottom: "data" top: "act" }',
-     r"^layer 'act' \(type AbsVal\): no exact PyTorch form \(supported: BatchNorm, Bias, "),
+     r"^layer 'act' \(type AbsVal\): no exact PyTorch form \(supported: Axpy, BatchNorm, "),
     ('layer { name: "p" type: "Pooling" bottom: "data" top: "p" '
      'pooling_param { pool: STOCHASTIC kernel_size: 2 stride: 2 } }',
      r"^layer 'p' \(type Pooling\): no exact PyTorch form: pool STOCHASTIC$"),
