@@ -25,7 +25,7 @@ CORNER, CENTER_SIZE, CORNER_SIZE = 1, 2, 3
 # (across_spatial, shape (N, 1)) or one per spatial position (shape (N, S)).
 
 def _ncs(a: Array, channels: int) -> Array:
-    return a.reshape(a.shape[0], channels, -1)
+    return a.reshape(a.shape[0], channels, math.prod(a.shape[1:]) // max(channels, 1))
 
 
 def _scale_view(scale: Array) -> Array:
@@ -159,25 +159,29 @@ def prior_box_forward(y: Array, *, layer_h: int, layer_w: int, img_h: int, img_w
 
 # -- Boxes ------------------------------------------------------------------------------------
 
-def box_size(boxes: Array) -> Array:
-    """Areas of (..., 4) boxes; zero for a box with xmax < xmin or ymax < ymin."""
+def box_size(boxes: Array, normalized: bool = True) -> Array:
+    """Areas of (..., 4) boxes; zero for a box with xmax < xmin or ymax < ymin. Boxes in
+    pixels (``normalized`` false, OpenCV's option) count both end pixels: (w + 1) * (h + 1)."""
     xp = get_array_module(boxes)
     w = boxes[..., 2] - boxes[..., 0]
     h = boxes[..., 3] - boxes[..., 1]
-    return xp.where((w < 0) | (h < 0), 0, w * h)
+    one = 0 if normalized else 1
+    return xp.where((w < 0) | (h < 0), 0, (w + one) * (h + one))
 
 
-def jaccard(a: Array, b: Array) -> Array:
+def jaccard(a: Array, b: Array, normalized: bool = True) -> Array:
     """The (len(a), len(b)) matrix of intersection over union of boxes ``a`` (N, 4) and
     ``b`` (M, 4); zero where the intersection has no positive width and height (the fork's
-    JaccardOverlap on normalized boxes)."""
+    JaccardOverlap on normalized boxes). Pixel boxes (``normalized`` false, OpenCV's
+    JaccardOverlap<false>) overlap down to a zero width, sized as ``box_size`` does."""
     xp = get_array_module(a, b)
     a, b = a[:, None, :], b[None, :, :]
     iw = xp.minimum(a[..., 2], b[..., 2]) - xp.maximum(a[..., 0], b[..., 0])
     ih = xp.minimum(a[..., 3], b[..., 3]) - xp.maximum(a[..., 1], b[..., 1])
-    hit = (iw > 0) & (ih > 0)
-    inter = xp.where(hit, iw * ih, 0)
-    union = box_size(a) + box_size(b) - inter
+    one = 0 if normalized else 1
+    hit = (iw > 0) & (ih > 0) if normalized else (iw >= 0) & (ih >= 0)
+    inter = xp.where(hit, (iw + one) * (ih + one), 0)
+    union = box_size(a, normalized) + box_size(b, normalized) - inter
     return xp.where(hit, inter / xp.where(hit, union, 1), 0)
 
 
@@ -194,13 +198,14 @@ def _check_code_type(code_type: int) -> None:
 
 
 def decode_boxes(loc: Array, priors: Array, variances: Array | None, *, code_type: int,
-                 variance_encoded_in_target: bool = False) -> Array:
+                 variance_encoded_in_target: bool = False, normalized: bool = True) -> Array:
     """Boxes from location predictions ``loc`` (..., P, 4) against ``priors`` (P, 4) with
     their ``variances`` (P, 4), as the fork's DecodeBBox (without clipping):
     CORNER adds var * loc to the corners; CORNER_SIZE adds var * loc scaled by the prior's
     width / height; CENTER_SIZE moves the centre by var * loc[:2] * size and scales the size
     by exp(var * loc[2:]). ``variance_encoded_in_target``: the variances are taken as 1
-    (and may be None)."""
+    (and may be None). Pixel priors (``normalized`` false, OpenCV's option, CENTER_SIZE):
+    a prior is one pixel wider and taller, its centre half a pixel further."""
     _check_code_type(code_type)
     xp = get_array_module(loc)
     d = loc if variance_encoded_in_target else loc * variances
@@ -209,6 +214,9 @@ def decode_boxes(loc: Array, priors: Array, variances: Array | None, *, code_typ
     pcx, pcy, pw, ph = _center_size(priors)
     if code_type == CORNER_SIZE:
         return priors + d * xp.stack([pw, ph, pw, ph], axis=-1)
+    if not normalized:
+        pw, ph = pw + 1, ph + 1
+        pcx, pcy = priors[..., 0] + pw / 2, priors[..., 1] + ph / 2
     cx = d[..., 0] * pw + pcx
     cy = d[..., 1] * ph + pcy
     w = xp.exp(d[..., 2]) * pw
@@ -243,7 +251,8 @@ NMS_MATRIX = 1024  # candidates up to which nms computes all their overlaps at o
 
 
 def nms(boxes: Array, scores: Array, *, nms_threshold: float,
-        score_threshold: float = -math.inf, eta: float = 1.0, top_k: int = -1) -> Array:
+        score_threshold: float = -math.inf, eta: float = 1.0, top_k: int = -1,
+        normalized: bool = True) -> Array:
     """The fork's ApplyNMSFast: the indices of the boxes kept, best score first. Candidates
     are the scores above ``score_threshold``, sorted by score (ties by index), the first
     ``top_k`` of them when top_k > -1; one is kept when its overlap with every box kept
@@ -259,7 +268,7 @@ def nms(boxes: Array, scores: Array, *, nms_threshold: float,
     b = boxes[order]
     m = order.shape[0]
     # The overlap table costs m^2 values; past NMS_MATRIX candidates, one row per keep.
-    table = jaccard(b, b) if m <= NMS_MATRIX else None
+    table = jaccard(b, b, normalized) if m <= NMS_MATRIX else None
     worst = xp.full(m, -xp.inf, dtype=boxes.dtype)  # each one's max overlap with the kept
     threshold = np.float32(nms_threshold)  # the fork keeps it in single precision
     kept: list[int] = []
@@ -271,7 +280,8 @@ def nms(boxes: Array, scores: Array, *, nms_threshold: float,
             break
         j += start
         kept.append(j)
-        row = table[j, j + 1:] if table is not None else jaccard(b[j:j + 1], b[j + 1:])[0]
+        row = (table[j, j + 1:] if table is not None
+               else jaccard(b[j:j + 1], b[j + 1:], normalized)[0])
         xp.maximum(worst[j + 1:], row, out=worst[j + 1:])
         start = j + 1
         if eta < 1 and threshold > 0.5:
@@ -284,7 +294,8 @@ def detection_output(loc: np.ndarray, conf: np.ndarray, prior: np.ndarray, *,
                      background_label_id: int = 0, code_type: int = CORNER,
                      variance_encoded_in_target: bool = False, keep_top_k: int = -1,
                      confidence_threshold: float = -math.inf, nms_threshold: float = 0.3,
-                     eta: float = 1.0, top_k: int = -1) -> np.ndarray:
+                     eta: float = 1.0, top_k: int = -1,
+                     normalized_bbox: bool = True) -> np.ndarray:
     """DetectionOutput's rows (R, 7): image id, label, score, xmin, ymin, xmax, ymax.
 
     ``loc`` (N, P * L * 4) with L = 1 (share_location) or num_classes, ``conf``
@@ -293,7 +304,9 @@ def detection_output(loc: np.ndarray, conf: np.ndarray, prior: np.ndarray, *,
     and non-background class: decode, NMS; then, when the image has more than
     ``keep_top_k`` > -1 detections, only its best keep_top_k by score (ties: lower label,
     then NMS order). Rows come by image, then label ascending, then score descending (the
-    fork's order). With no detection at all: one row (i, -1, ..., -1) per image."""
+    fork's order). With no detection at all: one row (i, -1, ..., -1) per image.
+    ``normalized_bbox`` false (OpenCV's option): priors and boxes in pixels, decoded and
+    overlapped as ``decode_boxes`` and ``jaccard`` say."""
     n = loc.shape[0]
     p = prior.shape[-1] // 4
     loc_classes = 1 if share_location else num_classes
@@ -305,7 +318,8 @@ def detection_output(loc: np.ndarray, conf: np.ndarray, prior: np.ndarray, *,
     variances = priors[1] if priors.shape[0] > 1 else None
     boxes = decode_boxes(loc.reshape(n, p, loc_classes, 4).transpose(0, 2, 1, 3), priors[0],
                          variances, code_type=code_type,
-                         variance_encoded_in_target=variance_encoded_in_target)
+                         variance_encoded_in_target=variance_encoded_in_target,
+                         normalized=normalized_bbox)
     scores = conf.reshape(n, p, num_classes)
     found = []
     for i in range(n):
@@ -315,7 +329,7 @@ def detection_output(loc: np.ndarray, conf: np.ndarray, prior: np.ndarray, *,
                 continue
             keep = nms(boxes[i, 0 if share_location else c], scores[i, :, c],
                        score_threshold=confidence_threshold, nms_threshold=nms_threshold,
-                       eta=eta, top_k=top_k)
+                       eta=eta, top_k=top_k, normalized=normalized_bbox)
             labels.append(np.full(keep.size, c))
             index.append(keep)
         label = np.concatenate(labels) if labels else np.zeros(0, np.int64)

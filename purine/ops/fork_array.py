@@ -4,6 +4,7 @@ shuffle (a transpose of the channel axis seen as groups × members) and SENet's 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from purine.backend import get_array_module
@@ -17,8 +18,9 @@ def shuffle_channel(x: Array, y: Array, *, group: int) -> None:
     grid, transposed. Its inverse is the same shuffle with C/group groups, which is the
     backward pass."""
     n, c = x.shape[:2]
-    grid = x.reshape(n, group, c // group, -1)
-    y.reshape(n, c // group, group, -1)[...] = grid.transpose(0, 2, 1, 3)
+    size = math.prod(x.shape[2:])  # explicit: an empty batch has no -1 to infer
+    grid = x.reshape(n, group, c // group, size)
+    y.reshape(n, c // group, group, size)[...] = grid.transpose(0, 2, 1, 3)
 
 
 # -- Axpy -----------------------------------------------------------------------------------
@@ -37,7 +39,7 @@ def axpy_forward(a: Array, x: Array, y_in: Array, top: Array) -> None:
 def axpy_backward_scale(x: Array, dtop: Array, da: Array) -> None:
     """da[n, c] = Σ over the spatial positions of dtop · x."""
     n, c = x.shape[:2]
-    da.reshape(n, c)[...] = (dtop * x).reshape(n, c, -1).sum(axis=2)
+    da.reshape(n, c)[...] = (dtop * x).reshape(n, c, math.prod(x.shape[2:])).sum(axis=2)
 
 
 def axpy_backward_x(a: Array, dtop: Array, dx: Array) -> None:

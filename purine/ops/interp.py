@@ -5,6 +5,7 @@ where a max-pool mask says it came from) and the YOLOv3 ports' nearest-neighbour
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -68,7 +69,7 @@ def _mask_index(x: Array, mask: Array, plane: int) -> Array:
     """Flat indices into the top of each bottom value: its plane's offset plus the mask."""
     xp = get_array_module(x)
     n, c = x.shape[:2]
-    idx = mask.reshape(n * c, -1).astype(xp.int64)
+    idx = mask.reshape(n * c, math.prod(mask.shape[2:])).astype(xp.int64)
     lo, hi = int(idx.min()), int(idx.max())  # one read back: a bad mask stops here
     if lo < 0 or hi >= plane:
         bad = lo if lo < 0 else hi

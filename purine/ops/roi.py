@@ -21,14 +21,15 @@ def _round_away(xp: Any, v: Array) -> Array:
     return t + xp.where(xp.abs(v - t) >= 0.5, xp.sign(v), 0).astype(v.dtype)
 
 
-def _batch_index(xp: Any, rois: Array, num: int) -> Array:
+def _batch_index(xp: Any, rois: Array, num: int, layer: str = "") -> Array:
     """Column 0 of the (R, 5) ROIs, truncated to int as the forks' C casts do, checked to
-    name an image of the batch."""
+    name an image of the batch (an error names ``layer``, where given)."""
     b = rois[:, 0].astype(xp.int64)
     bad = (b < 0) | (b >= num)
     if rois.shape[0] and bool(bad.any()):
         first = int(bad.argmax())
-        raise PurineError(f"ROI {first} has batch index {float(rois[first, 0]):g}, outside "
+        where = f"layer '{layer}': " if layer else ""
+        raise PurineError(f"{where}ROI {first} has batch index {float(rois[first, 0]):g}, outside "
                           f"[0, {num}) for a feature blob of {num} image(s); ROIs are rows "
                           "[batch_index, x1, y1, x2, y2]")
     return b
@@ -52,8 +53,8 @@ def _roi_bins(xp: Any, dt: Any, pooled: int, start: Array, end: Array, limit: in
     return _clip(xp, lo, limit), _clip(xp, hi, limit)
 
 
-def _roi_geometry(x: Array, rois: Array, pooled_h: int, pooled_w: int, spatial_scale: float
-                  ) -> tuple[Array, Array, Array, Array, Array]:
+def _roi_geometry(x: Array, rois: Array, pooled_h: int, pooled_w: int, spatial_scale: float,
+                  layer: str = "") -> tuple[Array, Array, Array, Array, Array]:
     """Per ROI its batch index and per bin its row and column bounds, (R, pooled) each."""
     xp = get_array_module(x)
     n, _, h, w = x.shape
@@ -61,11 +62,11 @@ def _roi_geometry(x: Array, rois: Array, pooled_h: int, pooled_w: int, spatial_s
     corners = _round_away(xp, r[:, 1:] * r.dtype.type(spatial_scale)).astype(xp.int64)
     hs, he = _roi_bins(xp, r.dtype, pooled_h, corners[:, 1], corners[:, 3], h)
     ws, we = _roi_bins(xp, r.dtype, pooled_w, corners[:, 0], corners[:, 2], w)
-    return _batch_index(xp, r, n), hs, he, ws, we
+    return _batch_index(xp, r, n, layer), hs, he, ws, we
 
 
 def roi_pool_forward(x: Array, rois: Array, y: Array, argmax: Array, *, pooled_h: int,
-                     pooled_w: int, spatial_scale: float) -> None:
+                     pooled_w: int, spatial_scale: float, layer: str = "") -> None:
     """y[r, c, ph, pw] = the max of bin (ph, pw) of ROI r in channel c of its image, 0 for an
     empty bin; ``argmax`` holds where in the (H, W) plane it was (first in row-major order,
     -1 for an empty bin). One step per offset inside a bin, each over every (ROI, bin) that
@@ -73,7 +74,7 @@ def roi_pool_forward(x: Array, rois: Array, y: Array, argmax: Array, *, pooled_h
     the pooled area times the channels."""
     xp = get_array_module(x)
     n, c, h, w = x.shape
-    b, hs, he, ws, we = _roi_geometry(x, rois, pooled_h, pooled_w, spatial_scale)
+    b, hs, he, ws, we = _roi_geometry(x, rois, pooled_h, pooled_w, spatial_scale, layer)
     bins = b.shape[0] * pooled_h * pooled_w
     # Caffe starts every bin at -FLT_MAX and takes strictly larger values.
     best = xp.full((bins, c), np.finfo(np.float32).min, dtype=y.dtype)
@@ -100,13 +101,14 @@ def roi_pool_forward(x: Array, rois: Array, y: Array, argmax: Array, *, pooled_h
     argmax[...] = arg.reshape(shape).transpose(0, 3, 1, 2)
 
 
-def roi_pool_backward(rois: Array, argmax: Array, dy: Array, dx: Array) -> None:
+def roi_pool_backward(rois: Array, argmax: Array, dy: Array, dx: Array, *,
+                      layer: str = "") -> None:
     """dx[b, c, argmax] += dy for every ROI and bin (nothing for empty bins): each pooled
     value's gradient goes to the cell it came from, summed over overlapping ROIs."""
     xp = get_array_module(dy)
     n, c, h, w = dx.shape
     dx[...] = 0
-    b = _batch_index(xp, rois.reshape(-1, 5), n)
+    b = _batch_index(xp, rois.reshape(-1, 5), n, layer)
     hit = argmax >= 0
     plane = (b[:, None] * c + xp.arange(c)[None, :])[:, :, None, None] * (h * w)
     scatter_add(dx.reshape(-1), (plane + argmax)[hit], dy[hit])
@@ -129,7 +131,8 @@ def _psroi_bins(xp: Any, dt: Any, scale: float, group: int, first: Array, last: 
 
 
 def _psroi_geometry(shape: tuple[int, ...], rois: Array, output_dim: int, group_size: int,
-                    spatial_scale: float) -> tuple[Array, Array, Array, Array, Array]:
+                    spatial_scale: float, layer: str = ""
+                    ) -> tuple[Array, Array, Array, Array, Array]:
     """Per output value (R, D, G, G): the flat index of its (image, channel) plane in the
     bottom, and its bin's row and column bounds broadcast to that shape."""
     xp = get_array_module(rois)
@@ -140,7 +143,7 @@ def _psroi_geometry(shape: tuple[int, ...], rois: Array, output_dim: int, group_
                          h)
     ws, we = _psroi_bins(xp, r.dtype, spatial_scale, group_size, corners[:, 0], corners[:, 2],
                          w)
-    b = _batch_index(xp, r, n)
+    b = _batch_index(xp, r, n, layer)
     g = group_size
     # Output channel d at bin (ph, pw) reads bottom channel (d * G + ph) * G + pw.
     channel = xp.arange(output_dim * g * g).reshape(output_dim, g, g)
@@ -151,14 +154,14 @@ def _psroi_geometry(shape: tuple[int, ...], rois: Array, output_dim: int, group_
 
 
 def psroi_pool_forward(x: Array, rois: Array, y: Array, *, output_dim: int, group_size: int,
-                       spatial_scale: float) -> None:
+                       spatial_scale: float, layer: str = "") -> None:
     """y[r, d, ph, pw] = the mean of bin (ph, pw) of ROI r in bottom channel
     (d * G + ph) * G + pw, 0 for an empty bin. Bin sums come from a float64 summed-area
     table, four reads per output whatever the bin size."""
     xp = get_array_module(x)
     n, c, h, w = x.shape
     plane, hs, he, ws, we = _psroi_geometry(x.shape, rois, output_dim, group_size,
-                                            spatial_scale)
+                                            spatial_scale, layer)
     table = xp.zeros((n * c, h + 1, w + 1), dtype=xp.float64)
     table[:, 1:, 1:] = x.reshape(n * c, h, w).cumsum(axis=1, dtype=xp.float64).cumsum(axis=2)
     flat = table.reshape(-1)
@@ -173,14 +176,14 @@ def psroi_pool_forward(x: Array, rois: Array, y: Array, *, output_dim: int, grou
 
 
 def psroi_pool_backward(rois: Array, dy: Array, dx: Array, *, output_dim: int,
-                        group_size: int, spatial_scale: float) -> None:
+                        group_size: int, spatial_scale: float, layer: str = "") -> None:
     """Each output's gradient, divided by its bin's area, goes to every cell of the bin,
     summed over ROIs: scattered as +-g at the bin's four corners into a float64 difference
     table whose 2-d prefix sum is dx."""
     xp = get_array_module(dy)
     n, c, h, w = dx.shape
     plane, hs, he, ws, we = _psroi_geometry(dx.shape, rois, output_dim, group_size,
-                                            spatial_scale)
+                                            spatial_scale, layer)
     area = (he - hs) * (we - ws)
     g = xp.where(area > 0, dy.astype(xp.float64) / xp.maximum(area, 1), 0)
     diff = xp.zeros((n * c, h + 1, w + 1), dtype=xp.float64)

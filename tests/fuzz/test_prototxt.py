@@ -43,6 +43,49 @@ layers { name: "prob" type: SOFTMAX bottom: "ip" top: "prob" }
 """
 
 
+# The Caffe forks' layers (SSD, R-CNN, DeepLab, ShuffleNet, MobileNet, SENet, YOLO ports) in
+# one small net, so that their parameters are mutated too.
+FORK_NET = """name: "forks"
+layer { name: "data" type: "Input" top: "data" top: "rois"
+  input_param { shape { dim: 1 dim: 4 dim: 8 dim: 8 } shape { dim: 2 dim: 5 } } }
+layer { name: "dw" type: "ConvolutionDepthwise" bottom: "data" top: "dw"
+  convolution_param { num_output: 4 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "relu6" type: "ReLU6" bottom: "dw" top: "dw" }
+layer { name: "shuffle" type: "ShuffleChannel" bottom: "dw" top: "shuffle"
+  shuffle_channel_param { group: 2 } }
+layer { name: "mish" type: "Mish" bottom: "shuffle" top: "mish" }
+layer { name: "gap" type: "Pooling" bottom: "mish" top: "gap"
+  pooling_param { pool: AVE global_pooling: true } }
+layer { name: "axpy" type: "Axpy" bottom: "gap" bottom: "mish" bottom: "data" top: "axpy" }
+layer { name: "interp" type: "Interp" bottom: "axpy" top: "interp"
+  interp_param { zoom_factor: 2 } }
+layer { name: "up" type: "Upsample" bottom: "axpy" top: "up" upsample_param { scale: 2 } }
+layer { name: "roi" type: "ROIPooling" bottom: "axpy" bottom: "rois" top: "roi"
+  roi_pooling_param { pooled_h: 2 pooled_w: 2 spatial_scale: 0.5 } }
+layer { name: "norm" type: "Normalize" bottom: "axpy" top: "norm"
+  norm_param { across_spatial: false channel_shared: false
+               scale_filler { type: "constant" value: 20 } } }
+layer { name: "loc" type: "Convolution" bottom: "norm" top: "loc"
+  convolution_param { num_output: 16 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "loc_perm" type: "Permute" bottom: "loc" top: "loc_perm"
+  permute_param { order: 0 order: 2 order: 3 order: 1 } }
+layer { name: "loc_flat" type: "Flatten" bottom: "loc_perm" top: "loc_flat" }
+layer { name: "conf" type: "Convolution" bottom: "norm" top: "conf"
+  convolution_param { num_output: 12 kernel_size: 3 pad: 1 weight_filler { type: "xavier" } } }
+layer { name: "conf_perm" type: "Permute" bottom: "conf" top: "conf_perm"
+  permute_param { order: 0 order: 2 order: 3 order: 1 } }
+layer { name: "conf_flat" type: "Flatten" bottom: "conf_perm" top: "conf_flat" }
+layer { name: "prior" type: "PriorBox" bottom: "norm" bottom: "data" top: "prior"
+  prior_box_param { min_size: 3 max_size: 6 aspect_ratio: 2 flip: true clip: true
+                    variance: 0.1 variance: 0.1 variance: 0.2 variance: 0.2 } }
+layer { name: "det" type: "DetectionOutput" bottom: "loc_flat" bottom: "conf_flat"
+  bottom: "prior" top: "det"
+  detection_output_param { num_classes: 3 share_location: true background_label_id: 0
+    nms_param { nms_threshold: 0.45 top_k: 20 } keep_top_k: 10 confidence_threshold: 0.01
+    code_type: CENTER_SIZE } }
+"""
+
+
 def shrink(net: pb.NetParameter, image: tuple[int, ...]) -> pb.NetParameter:
     """The net with its data layers as Input layers (``image`` for the first top, a label
     vector for the others), batches of at most 2 and widths of at most 8."""
@@ -77,7 +120,7 @@ def builds(net: pb.NetParameter) -> bool:
 @functools.cache
 def seeds() -> list[str]:
     """The shipped nets, shrunk, each in a form that builds, as one-field-a-line text."""
-    texts = {V1_NET}
+    texts = {V1_NET, text_format.MessageToString(read_net(FORK_NET))}
     files = sorted(ROOT.glob("tests/fixtures/bvlc/*.prototxt")) + sorted(
         ROOT.glob("models/*/*.prototxt"))
     for f in files:

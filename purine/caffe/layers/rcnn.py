@@ -47,7 +47,8 @@ def roi_pooling(L: LayerBuild):
     if p.pooled_h < 1 or p.pooled_w < 1:
         raise L.error(f"roi_pooling_param.pooled_h and pooled_w must be positive, got "
                       f"{p.pooled_h} and {p.pooled_w}")
-    k = dict(pooled_h=p.pooled_h, pooled_w=p.pooled_w, spatial_scale=p.spatial_scale)
+    k = dict(pooled_h=p.pooled_h, pooled_w=p.pooled_w, spatial_scale=p.spatial_scale,
+             layer=L.param.name)  # an ROI's bad batch index names the layer
     y = L.top(0, (rois.shape[0], x.shape[1], p.pooled_h, p.pooled_w))
     argmax = L.scratch("argmax", y.shape, "int32")  # Caffe's max_idx_
     L.forward(roi.roi_pool_forward, [x, rois], [y, argmax], **k)
@@ -56,7 +57,7 @@ def roi_pooling(L: LayerBuild):
     def backward():
         if L.needs_diff(0):
             L.backward(roi.roi_pool_backward, [rois, argmax, L.top_diff(0)],
-                       [L.bottom_diff(0)])
+                       [L.bottom_diff(0)], layer=L.param.name)
         _no_gradient(L, (1,))
     return backward
 
@@ -76,7 +77,8 @@ def psroi_pooling(L: LayerBuild):
     if x.shape[1] != dim * group * group:
         raise L.error(f"bottom '{x.name}' {x.shape} needs output_dim * group_size^2 = "
                       f"{dim} * {group}^2 = {dim * group * group} channels")
-    k = dict(output_dim=dim, group_size=group, spatial_scale=p.spatial_scale)
+    k = dict(output_dim=dim, group_size=group, spatial_scale=p.spatial_scale,
+             layer=L.param.name)
     y = L.top(0, (rois.shape[0], dim, group, group))
     L.forward(roi.psroi_pool_forward, [x, rois], [y], **k)
     L.no_force_backward.add(1)

@@ -187,9 +187,13 @@ def detection_output(L: LayerBuild):
         raise L.error(f"nms_param.eta must be in (0, 1], got {nms.eta}")
     if p.code_type not in (det.CORNER, det.CENTER_SIZE, det.CORNER_SIZE):
         raise L.error(f"unknown code_type {p.code_type}")
-    if (p.HasField("normalized_bbox") and not p.normalized_bbox) or p.clip:
-        raise L.error("normalized_bbox: false and clip: true are OpenCV's DetectionOutput "
-                      "options, not the SSD fork's; leave them out")
+    if p.clip:
+        raise L.error("clip: true is OpenCV's DetectionOutput option, not the SSD fork's; "
+                      "leave it out")
+    # normalized_bbox: false (OpenCV's, for Faster R-CNN's pixel rois) decodes as OpenCV does
+    if not p.normalized_bbox and p.code_type == det.CORNER_SIZE:
+        raise L.error("normalized_bbox: false takes code_type CORNER or CENTER_SIZE (OpenCV "
+                      "decodes no other)")
     params = dict(num_classes=p.num_classes, share_location=p.share_location,
                   background_label_id=p.background_label_id, code_type=p.code_type,
                   variance_encoded_in_target=p.variance_encoded_in_target,
@@ -197,7 +201,8 @@ def detection_output(L: LayerBuild):
                   confidence_threshold=(p.confidence_threshold
                                         if p.HasField("confidence_threshold") else -math.inf),
                   nms_threshold=nms.nms_threshold, eta=nms.eta,
-                  top_k=nms.top_k if nms.HasField("top_k") else -1)
+                  top_k=nms.top_k if nms.HasField("top_k") else -1,
+                  normalized_bbox=p.normalized_bbox)
     # The row count is known only once the detections are: the net settles it before the
     # op runs (_Detections); one cache passes the rows on across the net's builds.
     cache = L.kept("detections")
