@@ -44,8 +44,11 @@ OP_GROUPS = (("forward", "forward", "#cfe2ff"), ("backward", "backward", "#f8d7d
 COLOUR_NAMES = {"#cfe2ff": "blue", "#f8d7da": "red", "#d1e7dd": "green", "#eeeeee": "grey"}
 BLOB_COLOURS = {"data": "#ffffff", "param": "#fff3cd", "diff": "#e2e3e5",
                 "solver": "#d1e7dd", "scratch": "#f8f9fa"}
+# The types drawn as convolutions (kernel, stride, pad, num_output): Caffe's two and the
+# MobileNet ports' depthwise spellings.
+CONVOLUTIONS = ("Convolution", "Deconvolution", "ConvolutionDepthwise", "DepthwiseConvolution")
 # Caffe's draw_net colours for its layer view.
-LAYER_COLOURS = {"Convolution": "#FF5050", "Deconvolution": "#FF5050", "Pooling": "#FF9900",
+LAYER_COLOURS = {**dict.fromkeys(CONVOLUTIONS, "#FF5050"), "Pooling": "#FF9900",
                  "InnerProduct": "#CC33FF"}
 LAYER_DEFAULT_COLOUR = "#6495ED"
 
@@ -167,7 +170,7 @@ def net_dot(builder: NetBuilder, solver: Solver | None = None, *, rankdir: str =
 # -- Caffe's layer view -------------------------------------------------------------------
 def _layer_label(lp: pb.LayerParameter) -> str:
     lines = [lp.name, f"({lp.type})"]
-    if lp.type in ("Convolution", "Deconvolution"):
+    if lp.type in CONVOLUTIONS:
         p = lp.convolution_param
         k = list(p.kernel_size) or [p.kernel_h, p.kernel_w]
         s = list(p.stride) or ([p.stride_h, p.stride_w] if p.HasField("stride_h") else [1])

@@ -9,7 +9,7 @@ import shutil
 import subprocess
 from typing import Any
 
-from purine.draw import LAYER_COLOURS, LAYER_DEFAULT_COLOUR, DrawError, quote
+from purine.draw import CONVOLUTIONS, LAYER_COLOURS, LAYER_DEFAULT_COLOUR, DrawError, quote
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write
 from purine.formats.upgrade import upgrade_net
@@ -25,7 +25,7 @@ NEURON_LAYER_STYLE = {"shape": "record", "fillcolor": "#90EE90", "style": "fille
 BLOB_STYLE = {"shape": "octagon", "fillcolor": "#E0E0E0", "style": "filled"}
 
 RANKDIRS = ("LR", "TB", "BT", "RL")
-LEARNING_LAYERS = ("Convolution", "Deconvolution", "InnerProduct")
+LEARNING_LAYERS = (*CONVOLUTIONS, "InnerProduct")
 EMPTY_LABEL = '""'
 
 
@@ -57,10 +57,10 @@ def get_pooling_types_dict() -> dict[int, str]:
 
 def get_edge_label(layer: pb.LayerParameter) -> str:
     """The label of a layer's top edges: ``Batch N`` for Data, ``num_output`` for
-    Convolution, Deconvolution and InnerProduct, else the empty dot string ``""``."""
+    the convolutions (depthwise too) and InnerProduct, else the empty dot string ``""``."""
     if layer.type == "Data":
         return f"Batch {layer.data_param.batch_size}"
-    if layer.type in ("Convolution", "Deconvolution"):
+    if layer.type in CONVOLUTIONS:
         return str(layer.convolution_param.num_output)
     if layer.type == "InnerProduct":
         return str(layer.inner_product_param.num_output)
@@ -113,7 +113,7 @@ def get_layer_label(layer: pb.LayerParameter, rankdir: str, display_lrm: bool = 
     if kind == "Pooling":
         kind += " " + get_pooling_types_dict()[layer.pooling_param.pool]
     parts = [quote(layer.name)[1:-1], f"({quote(kind)[1:-1]})"]
-    if layer.type in ("Convolution", "Deconvolution", "Pooling"):
+    if layer.type in (*CONVOLUTIONS, "Pooling"):
         kernel, stride, pad = _window(layer)
         parts.append(sep.join([f"kernel size: {kernel}", f"stride: {stride}", f"pad: {pad}"]))
     if display_lrm and layer.type in LEARNING_LAYERS:
