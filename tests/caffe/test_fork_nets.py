@@ -1,6 +1,7 @@
 """The Caffe forks' published nets (SSD300, MobileNet-SSD, Faster R-CNN ZF, R-FCN ResNet-50,
-DeepLab v2), stored byte for byte under tests/fixtures/forks/, run in purine and in OpenCV's
-Caffe importer with the same seeded random weights: outputs and a few inner tops agree."""
+DeepLab v2), stored byte for byte under tests/fixtures/forks/, and a ShuffleNet stage written
+from its paper, run in purine and in OpenCV's Caffe importer with the same seeded random
+weights: outputs and a few inner tops agree."""
 
 import re
 from pathlib import Path
@@ -283,3 +284,74 @@ layer { name: "det" type: "DetectionOutput" bottom: "loc" bottom: "conf" bottom:
   variance_encoded_in_target: true normalized_bbox: false } }""")
     with pytest.raises(PurineError, match="normalized_bbox: false takes code_type"):
         Net(str(path), phase=TEST)
+
+
+# -- ShuffleNet: its published deploy files carry no licence, so the net is written here -----
+
+def shufflenet_stage(groups: int = 3, width: int = 240, units: int = 3) -> str:
+    """ShuffleNet 1x (g = 3) up to its first stage, built from the paper's description (Zhang
+    et al. 2017, table 1 and figure 2): conv1 3x3/2 (24), max pool 3x3/2, then one stride-2
+    unit (group 1x1 conv at a quarter width, channel shuffle, depthwise 3x3/2, group 1x1
+    conv; a 3x3/2 average-pooled shortcut concatenated) and stride-1 units (the same with
+    a stride-1 depthwise conv and an element-wise sum), as the ports write them: Convolution
+    with group, ShuffleChannel, ConvolutionDepthwise, BatchNorm + Scale."""
+    out = ['name: "shufflenet_stage2"',
+           'layer { name: "data" type: "Input" top: "data" '
+           'input_param { shape { dim: 1 dim: 3 dim: 64 dim: 64 } } }']
+
+    def conv(name, bottom, n, k, s=1, group=1, kind="Convolution"):
+        g = f" group: {group}" if group > 1 and kind == "Convolution" else ""
+        out.append(f'layer {{ name: "{name}" type: "{kind}" bottom: "{bottom}" top: "{name}" '
+                   f'convolution_param {{ num_output: {n} kernel_size: {k} stride: {s} '
+                   f'pad: {k // 2} bias_term: false{g} }} }}')
+        out.append(f'layer {{ name: "{name}_bn" type: "BatchNorm" bottom: "{name}" '
+                   f'top: "{name}_bn" }}')
+        out.append(f'layer {{ name: "{name}_scale" type: "Scale" bottom: "{name}_bn" '
+                   f'top: "{name}_scale" scale_param {{ bias_term: true }} }}')
+        return f"{name}_scale"
+
+    def relu(name, bottom):
+        out.append(f'layer {{ name: "{name}" type: "ReLU" bottom: "{bottom}" top: "{name}" }}')
+        return name
+
+    x = relu("conv1_relu", conv("conv1", "data", 24, 3, 2))
+    out.append(f'layer {{ name: "pool1" type: "Pooling" bottom: "{x}" top: "pool1" '
+               'pooling_param { pool: MAX kernel_size: 3 stride: 2 } }')
+    x, channels = "pool1", 24
+    for u in range(units):
+        first = u == 0
+        p = f"stage2_{u + 1}"
+        mid = width // 4
+        a = relu(f"{p}_relu1", conv(f"{p}_gconv1", x, mid, 1, group=1 if first else groups))
+        out.append(f'layer {{ name: "{p}_shuffle" type: "ShuffleChannel" bottom: "{a}" '
+                   f'top: "{p}_shuffle" shuffle_channel_param {{ group: {groups} }} }}')
+        d = conv(f"{p}_dwconv", f"{p}_shuffle", mid, 3, 2 if first else 1,
+                 kind="ConvolutionDepthwise")
+        b = conv(f"{p}_gconv2", d, width - channels if first else width, 1, group=groups)
+        if first:
+            out.append(f'layer {{ name: "{p}_avg" type: "Pooling" bottom: "{x}" '
+                       f'top: "{p}_avg" pooling_param {{ pool: AVE kernel_size: 3 stride: 2 }} '
+                       '}')
+            out.append(f'layer {{ name: "{p}_concat" type: "Concat" bottom: "{p}_avg" '
+                       f'bottom: "{b}" top: "{p}_concat" }}')
+            joined = f"{p}_concat"
+        else:
+            out.append(f'layer {{ name: "{p}_sum" type: "Eltwise" bottom: "{x}" '
+                       f'bottom: "{b}" top: "{p}_sum" }}')
+            joined = f"{p}_sum"
+        x, channels = relu(f"{p}_relu", joined), width
+    out.append(f'layer {{ name: "pool_ave" type: "Pooling" bottom: "{x}" top: "pool_ave" '
+               'pooling_param { pool: AVE global_pooling: true } }')
+    out.append('layer { name: "fc" type: "InnerProduct" bottom: "pool_ave" top: "fc" '
+               'inner_product_param { num_output: 10 } }')
+    out.append('layer { name: "prob" type: "Softmax" bottom: "fc" top: "prob" }')
+    return "\n".join(out) + "\n"
+
+
+def test_shufflenet_stage(tmp_path):
+    pairs = [("stage2_1_shuffle", "stage2_1_shuffle"), ("stage2_1_dwconv", "stage2_1_dwconv"),
+             ("stage2_1_relu", "stage2_1_relu"), ("stage2_3_relu", "stage2_3_relu"),
+             ("fc", "fc")]
+    ours, theirs = run_both(tmp_path, shufflenet_stage(), {"data": image((1, 3, 64, 64))},
+                            pairs)
+    check(ours, theirs)
