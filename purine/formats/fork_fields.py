@@ -5,7 +5,8 @@ schema gives it, decided by the layer's ``type`` (text prototxts need nothing: n
 from __future__ import annotations
 
 from purine.formats import caffe_pb2 as pb
-from purine.formats.wire import varint
+from purine.formats.wire import WireError, read_varint, varint
+from purine.formats.wire import fields as wire_fields
 
 # (number the fork writes, layer types that mean it, field name in proto/caffe.proto).
 # A rule fires only inside a layer of one of those types, so the same number keeps its
@@ -49,56 +50,13 @@ def _table() -> dict[str, dict[int, int]]:
 _BY_TYPE: dict[str, dict[int, int]] | None = None
 
 
-class _Truncated(Exception):
-    pass
-
-
-def _varint_at(data: memoryview, pos: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        if pos >= len(data):
-            raise _Truncated
-        b = data[pos]
-        pos += 1
-        n |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return n, pos
-        shift += 7
-
-
-def _fields(data: memoryview) -> list[tuple[int, int, int, int, int]]:
-    """Top-level fields of a message: (number, wire type, start, value start, end)."""
-    out = []
-    pos = 0
-    while pos < len(data):
-        start = pos
-        key, pos = _varint_at(data, pos)
-        number, wire = key >> 3, key & 7
-        value = pos
-        if wire == 0:
-            _, pos = _varint_at(data, pos)
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        elif wire == 2:
-            n, pos = _varint_at(data, pos)
-            pos += n
-        else:  # groups: long obsolete, never in Caffe's schema; let protobuf judge
-            raise _Truncated
-        if pos > len(data):
-            raise _Truncated
-        out.append((number, wire, start, value, pos))
-    return out
-
-
 def _renumber_layer(layer: memoryview) -> bytes | None:
     """The layer with its fork numbers moved, or None when nothing applies."""
-    fields = _fields(layer)
+    fields = list(wire_fields(layer))
     ltype = None
     for number, wire, _, value, end in fields:
         if number == _LAYER_TYPE and wire == 2:
-            _, body = _varint_at(layer, value)
+            _, body = read_varint(layer, value)
             ltype = bytes(layer[body:end]).decode("utf-8", "replace")
     moves = _BY_TYPE.get(ltype) if ltype is not None else None  # type: ignore[union-attr]
     if not moves or not any(f[0] in moves for f in fields):
@@ -121,18 +79,18 @@ def renumber_net(data: bytes) -> bytes:
         _BY_TYPE = _table()
     view = memoryview(data)
     try:
-        fields = _fields(view)
+        fields = list(wire_fields(view))
         parts: list[bytes | memoryview] = []
         changed = False
         for number, wire, start, value, end in fields:
             if number == _NET_LAYER and wire == 2:
-                _, body = _varint_at(view, value)
+                _, body = read_varint(view, value)
                 new = _renumber_layer(view[body:end])
                 if new is not None:
                     parts += [view[start:value], varint(len(new)), new]
                     changed = True
                     continue
             parts.append(view[start:end])
-    except _Truncated:
+    except WireError:  # not protobuf: the parser reports the damage
         return data
     return b"".join(parts) if changed else data

@@ -23,11 +23,16 @@ def len_field(number: int, payload: bytes | memoryview) -> list[bytes | memoryvi
     return [varint(number << 3 | 2), varint(len(payload)), payload]
 
 
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+class WireError(ProtoError):
+    """Bytes that do not scan as protobuf fields: a truncated varint or value, or a group."""
+
+
+def read_varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """The varint at ``pos`` and the position after it."""
     n = shift = 0
     while True:
         if pos >= len(data):
-            raise ProtoError("truncated varint")
+            raise WireError("truncated varint")
         b = data[pos]
         pos += 1
         n |= (b & 0x7F) << shift
@@ -36,22 +41,34 @@ def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def length_fields(data: bytes, number: int) -> Iterator[bytes]:
-    """The payloads of the top-level length-delimited fields ``number`` of a message."""
+def fields(data: bytes | memoryview) -> Iterator[tuple[int, int, int, int, int]]:
+    """The top-level fields of a message, in order: (number, wire type, start of the tag,
+    start of the value, end). A length-delimited value starts at its length varint."""
     pos = 0
     while pos < len(data):
-        key, pos = _read_varint(data, pos)
-        field, wire = key >> 3, key & 7
+        start = pos
+        key, pos = read_varint(data, pos)
+        number, wire = key >> 3, key & 7
+        value = pos
         if wire == 0:
-            _, pos = _read_varint(data, pos)
+            _, pos = read_varint(data, pos)
         elif wire == 1:
             pos += 8
         elif wire == 5:
             pos += 4
         elif wire == 2:
-            n, pos = _read_varint(data, pos)
-            if field == number:
-                yield data[pos: pos + n]
+            n, pos = read_varint(data, pos)
             pos += n
-        else:
-            raise ProtoError(f"unsupported wire type {wire} for field {field}")
+        else:  # groups: long obsolete, never in Caffe's schema
+            raise WireError(f"unsupported wire type {wire} for field {number}")
+        if pos > len(data):
+            raise WireError(f"field {number} runs past the end of the message")
+        yield number, wire, start, value, pos
+
+
+def length_fields(data: bytes, number: int) -> Iterator[bytes]:
+    """The payloads of the top-level length-delimited fields ``number`` of a message."""
+    for field, wire, _, value, end in fields(data):
+        if field == number and wire == 2:
+            _, body = read_varint(data, value)
+            yield data[body:end]
