@@ -5,15 +5,15 @@ along, and batched as the data blob plus the [1, 1, num_boxes, 8] label blob."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import cv2
 import numpy as np
 from google.protobuf.message import DecodeError
 
 from purine.data import DataError
-from purine.data.datum import datum_image, decode_flag, show_key
-from purine.data.lmdb_source import DatumReader, DatumSource
+from purine.data.datum import datum_image, decode_flag
+from purine.data.lmdb_source import DatumBatches, DatumReader, DatumSource
 from purine.data.prefetch import Batch, BufferPool, data_span, stream_batch
 from purine.formats import caffe_pb2 as pb
 
@@ -346,10 +346,12 @@ def label_rows(per_item: Sequence[Boxes]) -> np.ndarray:
     return r.reshape(1, 1, len(r), 8)
 
 
-class AnnotatedBatches:
+class AnnotatedBatches(DatumBatches):
     """The batches of one AnnotatedData layer over an LMDB: ``read(k)`` gives (data,
     label), or (data,) with one top; records without an annotation type give Datum labels
-    (batch,) instead, as in the fork."""
+    (batch,) instead, as in the fork. DatumBatches gives ``where``, ``reader`` and ``close``
+    over this class's own ``read``; its Datum transformer is not used (no super().__init__),
+    the fork's annotated transform stands in."""
 
     def __init__(self, source: DatumSource, batch_size: int, transform: AnnotatedTransform,
                  *, labels: bool, rich: bool, dtype: str, seed: int, index: int,
@@ -357,9 +359,6 @@ class AnnotatedBatches:
         self.source, self.batch_size, self.transform = source, batch_size, transform
         self.labels, self.rich, self.dtype = labels, rich, np.dtype(dtype)
         self.seed, self.index, self.replica, self.skip = seed, index, replica, skip
-
-    def where(self, key: bytes) -> str:
-        return f"{self.source.kind} '{self.source.path}': record '{show_key(key)}'"
 
     def decode(self, value: bytes, where: str) -> tuple[np.ndarray, Boxes, pb.AnnotatedDatum]:
         a = parse_annotated(value, where)
@@ -374,18 +373,6 @@ class AnnotatedBatches:
         img, _, _ = self.decode(value, self.where(key))
         h, w, c = img.shape
         return self.transform.output_shape(c, h, w, self.where(key))
-
-    def reader(self, pool: BufferPool | None = None) -> Callable[[int], Batch]:
-        r, pool = self.source.reader(), pool or BufferPool(0)
-
-        def read(k: int) -> Batch:
-            return self.read(r, k, pool)
-
-        read.close = r.close  # type: ignore[attr-defined]
-        return read
-
-    def close(self) -> None:
-        self.source.close()
 
     def read(self, r: DatumReader, k: int, pool: BufferPool) -> Batch:
         g = stream_batch(k, self.replica)
