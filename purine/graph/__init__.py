@@ -198,35 +198,6 @@ class Graph:
     def writers(self, blob: Blob) -> list[Op]:
         return [o for o in self.ops if blob in o.outputs]
 
-    def readers(self, blob: Blob) -> list[Op]:
-        return [o for o in self.ops if blob in o.inputs]
-
-    def sources(self) -> list[Blob]:
-        """Blobs that some op reads and no op writes."""
-        written = {b for o in self.ops for b in o.outputs}
-        return [b for b in self.blobs.values() if b not in written and self.readers(b)]
-
-    def sinks(self) -> list[Blob]:
-        """Blobs that some op writes and no op reads."""
-        read = {b for o in self.ops for b in o.inputs if b not in o.outputs}
-        written = {b for o in self.ops for b in o.outputs}
-        return [b for b in self.blobs.values() if b in written and b not in read]
-
-    def prune(self, sinks: Iterable[Blob], ops: Sequence[Op] | None = None) -> list[Op]:
-        """The ops (in program order) that the final values of ``sinks`` depend on."""
-        needed = set(sinks)
-        keep: list[Op] = []
-        for o in reversed(self.ops if ops is None else ops):
-            if needed.intersection(o.outputs):
-                keep.append(o)
-                needed.update(o.inputs)
-        keep.reverse()
-        return keep
-
-    def topological_order(self, ops: Sequence[Op] | None = None) -> list[Op]:
-        """Program order is a topological order: every derived edge points backwards."""
-        return list(self.ops if ops is None else ops)
-
     def dependencies(self, ops: Sequence[Op] | None = None,
                      storage: Mapping[Blob, Any] | None = None) -> dict[Op, list[Op]]:
         """For each op, the earlier ops it must wait for: the last writer of each input

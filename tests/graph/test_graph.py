@@ -65,19 +65,6 @@ def test_blob_and_op_names_are_unique_and_blobs_must_belong():
         g.op("f", "F", [x], [other], nop)
 
 
-def test_prune_keeps_only_what_the_sinks_need():
-    g = Graph()
-    x, y, z, w = (g.blob(n, (1,)) for n in "xyzw")
-    fy = g.op("fy", "F", [x], [y], nop)
-    g.op("fz", "F", [x], [z], nop)
-    iy = g.op("iy", "I", [y], [y], nop)
-    fw = g.op("fw", "F", [y], [w], nop)
-    assert g.prune([w]) == [fy, iy, fw]
-    assert g.prune([y]) == [fy, iy]
-    assert [b.name for b in g.sources()] == ["x"]
-    assert sorted(b.name for b in g.sinks()) == ["w", "z"]
-
-
 def test_compose_prefixes_names_and_binds_shared_blobs():
     inner = Graph()
     a, b = inner.blob("a", (2,)), inner.blob("b", (2,))
