@@ -1,4 +1,4 @@
-"""The package stack of ARCHITECTURE.md, checked on every import under purine/:
+"""The package stack of docs/design.md, checked on every import under purine/:
 imports point downward only, and neither packages nor modules import each other in a circle.
 
 How the imports are read (with ``ast``; nothing is executed):
@@ -410,3 +410,31 @@ def test_summary_counts() -> None:
     assert set(pkg_cycle_edges) <= set(layering), summary
     assert all(package(a) == package(b) for a, b in pair_breakers), summary
     assert not unbroken, summary
+
+
+# -- the design page states the same table ----------------------------------------------------
+
+def design_table() -> dict[str, tuple[str, ...]]:
+    """The package table of docs/design.md's "## The packages": the rows' first two cells
+    (`package` | `a`, `b`, ... or "nothing"), in the page's order."""
+    text = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
+    section = text.split("\n## The packages\n", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, tuple[str, ...]] = {}
+    for line in section.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        name = cells[0].strip("`")
+        assert name not in rows, f"docs/design.md names {name} twice"
+        rows[name] = () if cells[1] == "nothing" else tuple(
+            c.strip().strip("`") for c in cells[1].split(","))
+    return rows
+
+
+def test_design_page_states_the_table() -> None:
+    """docs/design.md's table has LAYERS' packages, bottom up, each with the same imports."""
+    page = design_table()
+    assert list(page) == list(LAYERS), "docs/design.md's packages differ from LAYERS"
+    differ = {pkg: (sorted(page[pkg]), sorted(may)) for pkg, may in LAYERS.items()
+              if sorted(page[pkg]) != sorted(may) or len(set(page[pkg])) != len(page[pkg])}
+    assert not differ, f"docs/design.md (page, LAYERS) disagree: {differ}"

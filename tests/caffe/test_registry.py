@@ -1,6 +1,6 @@
 """The layer registry is Caffe's whole registry: every type string BVLC Caffe registers has a
-builder, every V1 enum upgrades to one, the forks' types are the ones named, and the README's
-layer list names exactly what is registered."""
+builder, every V1 enum upgrades to one, the forks' types are the ones named, and the layer
+list of docs/layers.md names exactly what is registered."""
 
 import os
 import re
@@ -26,8 +26,8 @@ CAFFE_TYPES = {
 }
 
 
-# The Caffe forks' layers that real models use (issue 26), each named in the README with the
-# fork it came from.
+# The Caffe forks' layers that real models use (issue 26), each named in docs/layers.md with
+# the fork it came from.
 FORK_TYPES = {
     "AnnotatedData", "Axpy", "ConvolutionDepthwise", "DepthwiseConvolution", "DetectionOutput",
     "Interp", "Mish", "MultiBoxLoss", "Normalize", "Permute", "PriorBox", "Proposal",
@@ -47,9 +47,10 @@ def test_every_v1_enum_upgrades_to_a_registered_type():
 
 
 def readme_layers() -> set[str]:
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    """The type names of docs/layers.md's list (the README's front page links to it)."""
+    with open(os.path.join(ROOT, "docs", "layers.md"), encoding="utf-8") as f:
         text = f.read()
-    section = text.split("### Layers\n", 1)[1].split("\nFillers:", 1)[0]
+    section = text.split("## The layer types\n", 1)[1].split("\nFillers:", 1)[0]
     section = re.sub(r"\([^)]*\)", "", section)  # the notes in brackets name no layers
     items = re.sub(r"^- [a-z]+:", "", section.strip().split("\n", 1)[1], flags=re.M)
     return set(re.findall(r"\b[A-Z][A-Za-z0-9]+\b", items))
