@@ -15,10 +15,10 @@ import numpy as np
 
 from purine.converters import ConvertError, flag, run_main
 from purine.converters.convert_imageset import write_datums
-from purine.formats import caffe_pb2 as pb
+from purine.data import db as backends
+from purine.data.datum import encode_datums
 from purine.log import get_logger
 
-BACKENDS = ("lmdb", "leveldb")
 IMAGE_MAGIC = 2051  # IDX: unsigned bytes (0x08), 3 dimensions
 LABEL_MAGIC = 2049  # IDX: unsigned bytes (0x08), 1 dimension
 CIFAR_SIDE = 32
@@ -103,23 +103,15 @@ def _label(byte: int) -> int:
     return byte - 256 if byte > 127 else byte
 
 
-class _Datums:
-    """A raw Datum of fixed channels x height x width, reused record after record as Caffe's
-    tools do: only data and label change. ``encoded`` is never set (Caffe's tools leave it
-    unset, so it is not in their bytes)."""
-
-    def __init__(self, channels: int, height: int, width: int):
-        self.datum = pb.Datum(channels=channels, height=height, width=width)
-
-    def __call__(self, data: bytes, label: int) -> bytes:
-        self.datum.data = data
-        self.datum.label = _label(label)
-        return self.datum.SerializeToString()
+def _datums(pixels: np.ndarray, labels: np.ndarray) -> list[bytes]:
+    """Raw Datums of uint8 (N, C, H, W) pixels and label bytes, the bytes Caffe's tools
+    write: ``encoded`` is never set (they leave it unset, so it is not in their bytes)."""
+    return encode_datums(pixels, [_label(b) for b in labels.tolist()])
 
 
 def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ConvertError(f"unknown backend '{backend}'; use lmdb or leveldb")
+    if backends.get(backend) is None:
+        raise ConvertError(f"unknown backend '{backend}'; use {backends.names_text()}")
 
 
 def _check_new(db: str) -> None:
@@ -149,10 +141,14 @@ def convert_mnist_data(images: str | os.PathLike, labels: str | os.PathLike,
     _check_new(os.fspath(db))
     pixels, labels_ = _read_logged(images, labels, log)
     n, rows, cols = pixels.shape
-    datum = _Datums(1, rows, cols)
-    flat = pixels.reshape(n, rows * cols)
-    records = ((f"{i:08d}", datum(flat[i].tobytes(), int(labels_[i]))) for i in range(n))
-    return write_datums(db, records, total=n, log=log, backend=backend)
+
+    def records() -> Iterator[tuple[str, bytes]]:
+        for start in range(0, n, 1000):  # encoded a thousand at a time, not all at once
+            stop = min(n, start + 1000)
+            batch = _datums(pixels[start:stop, None], labels_[start:stop])
+            yield from ((f"{start + k:08d}", value) for k, value in enumerate(batch))
+
+    return write_datums(db, records(), total=n, log=log, backend=backend)
 
 
 # -- convert_mnist_siamese_data -------------------------------------------------------------
@@ -200,15 +196,13 @@ def convert_mnist_siamese_data(images: str | os.PathLike, labels: str | os.PathL
     pixels, labels_ = _read_logged(images, labels, log)
     n, rows, cols = pixels.shape
     first, second, same = siamese_pairs(labels_, seed)
-    datum = _Datums(2, rows, cols)
-    flat = pixels.reshape(n, rows * cols)
 
     def records() -> Iterator[tuple[str, bytes]]:
         for start in range(0, n, 1000):  # pairs gathered a thousand at a time, not all at once
             stop = min(n, start + 1000)
-            pairs = np.concatenate((flat[first[start:stop]], flat[second[start:stop]]), axis=1)
-            for k in range(start, stop):
-                yield f"{k:08d}", datum(pairs[k - start].tobytes(), int(same[k]))
+            pairs = np.stack((pixels[first[start:stop]], pixels[second[start:stop]]), axis=1)
+            batch = _datums(pairs, same[start:stop])
+            yield from ((f"{start + k:08d}", value) for k, value in enumerate(batch))
 
     return write_datums(db, records(), total=n, log=log, backend=backend)
 
@@ -230,16 +224,16 @@ def _cifar_count(path: str) -> int:
     return size // CIFAR_RECORD
 
 
-def _cifar_records(path: str, first_key: int, datum: _Datums
-                   ) -> Iterator[tuple[str, bytes]]:
+def _cifar_records(path: str, first_key: int) -> Iterator[tuple[str, bytes]]:
     try:
         with open(path, "rb") as f:
             raw = np.frombuffer(f.read(), np.uint8)
     except OSError as e:
         raise ConvertError(f"{path}: cannot read the CIFAR-10 batch: {e.strerror}") from None
     table = raw.reshape(-1, CIFAR_RECORD)
-    for k, row in enumerate(table):
-        yield f"{first_key + k:05d}", datum(row[1:].tobytes(), int(row[0]))
+    pixels = table[:, 1:].reshape(-1, 3, CIFAR_SIDE, CIFAR_SIDE)
+    for k, value in enumerate(_datums(pixels, table[:, 0])):
+        yield f"{first_key + k:05d}", value
 
 
 def convert_cifar_data(input_folder: str | os.PathLike, output_folder: str | os.PathLike,
@@ -263,17 +257,16 @@ def convert_cifar_data(input_folder: str | os.PathLike, output_folder: str | os.
     test_db = os.path.join(output_folder, f"cifar10_test_{db_type}")
     _check_new(train_db)
     _check_new(test_db)
-    datum = _Datums(3, CIFAR_SIDE, CIFAR_SIDE)
 
     def train() -> Iterator[tuple[str, bytes]]:
         log.info("Writing Training data")
         for k, path in enumerate(train_paths):
             log.info("Training Batch %d", k + 1)
-            yield from _cifar_records(path, k * CIFAR_BATCH, datum)
+            yield from _cifar_records(path, k * CIFAR_BATCH)
 
     n_train = write_datums(train_db, train(), total=sum(counts), log=log, backend=db_type)
     log.info("Writing Testing data")
-    n_test = write_datums(test_db, _cifar_records(test_path, 0, datum),
+    n_test = write_datums(test_db, _cifar_records(test_path, 0),
                           total=n_test, log=log, backend=db_type)
     return n_train, n_test
 

@@ -15,10 +15,9 @@ from google.protobuf import message
 
 from purine.converters import ConvertError, flag, run_main
 from purine.converters.progress import Progress, wanted
-from purine.data import db as dbs
+from purine.data import db as backends
 from purine.data.datum import check_payload, decode_image, raw_dims
-from purine.data.leveldb_source import message as leveldb_message
-from purine.data.leveldb_source import plyvel_module
+from purine.data.db import Backend
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write
 from purine.formats.wire import len_field, varint
@@ -36,52 +35,20 @@ def _decode(datum: pb.Datum, where: str) -> pb.Datum:
                     data=np.ascontiguousarray(image).tobytes())
 
 
-def _records(path: str, backend: str) -> Iterator[tuple[bytes, bytes]]:
+def _records(path: str, backend: Backend) -> Iterator[tuple[bytes, bytes]]:
     """The (key, value) records of the database in key order."""
-    found = dbs.detect(path)
+    found = backends.detect(path)
     if found is None:
         if not os.path.exists(path):
-            raise ConvertError(f"{path}: no such {'LMDB' if backend == 'lmdb' else 'LevelDB'} "
-                               "folder")
-        raise ConvertError(f"{path}: neither an LMDB (a folder with data.mdb) nor a LevelDB (a "
-                           "folder with CURRENT)")
-    if found != backend:
-        name = {"lmdb": "an LMDB", "leveldb": "a LevelDB"}
-        raise ConvertError(f"{path}: is {name[found]}, not {name[backend]}: give --backend "
-                           f"{found}")
-    if backend == "leveldb":
-        yield from _leveldb_records(path)
-        return
-    import lmdb
-
-    try:
-        env = lmdb.open(path, readonly=True, lock=False, subdir=os.path.isdir(path))
-    except lmdb.Error as e:
-        raise ConvertError(f"{path}: cannot open the lmdb: {e}") from None
-    try:
-        with env.begin(buffers=False) as txn:
-            yield from txn.cursor()
-    except lmdb.Error as e:  # a damaged file found while walking it
-        raise ConvertError(f"{path}: cannot read the lmdb: {e}") from None
-    finally:
-        env.close()
+            raise ConvertError(f"{path}: no such {backend.kind} folder")
+        raise ConvertError(f"{path}: {backends.neither()}")
+    if found != backend.name:
+        raise ConvertError(f"{path}: is {backends.get(found).article}, not {backend.article}: "
+                           f"give --backend {found}")
+    yield from backend.walk(path, ConvertError)
 
 
-def _leveldb_records(path: str) -> Iterator[tuple[bytes, bytes]]:
-    plyvel = plyvel_module()
-    try:
-        db = plyvel.DB(path, create_if_missing=False)
-    except plyvel.Error as e:
-        raise ConvertError(f"{path}: cannot open the leveldb: {leveldb_message(e)}") from None
-    try:
-        yield from db
-    except plyvel.Error as e:  # a damaged table found while walking it
-        raise ConvertError(f"{path}: cannot read the leveldb: {leveldb_message(e)}") from None
-    finally:
-        db.close()
-
-
-def _datums(path: str, backend: str) -> Iterator[tuple[bytes, pb.Datum]]:
+def _datums(path: str, backend: Backend) -> Iterator[tuple[bytes, pb.Datum]]:
     for key, value in _records(path, backend):
         datum = pb.Datum()
         try:
@@ -91,33 +58,17 @@ def _datums(path: str, backend: str) -> Iterator[tuple[bytes, pb.Datum]]:
         yield key, datum
 
 
-def _lmdb_entries(path: str) -> int | None:
-    """The record count an LMDB keeps, for the progress bar; None when it cannot be opened
-    (reading it then says why). A LevelDB keeps no count: its bar just counts."""
-    import lmdb
-
-    if dbs.detect(path) != "lmdb":
-        return None
-    try:
-        env = lmdb.open(path, readonly=True, lock=False, subdir=os.path.isdir(path))
-    except lmdb.Error:
-        return None
-    try:
-        return env.stat()["entries"]
-    finally:
-        env.close()
-
-
 def compute_image_mean(db: str | os.PathLike, output: str | os.PathLike | None = None, *,
                        backend: str = "lmdb", log=None) -> np.ndarray:
-    """The mean over all datums of the ``backend`` database ``db`` (lmdb or leveldb) as a
-    float32 array (1, C, H, W); written
+    """The mean over all datums of the ``backend`` database ``db`` (lmdb, leveldb or another
+    registered backend) as a float32 array (1, C, H, W); written
     to ``output`` (a .binaryproto) when given. uint8 data is summed exactly (as integers):
     the result equals Caffe's float32 accumulation up to 65,793 images and is closer to the
     true mean beyond; float_data is summed in float64."""
     log = log or get_logger()
-    if backend not in dbs.BACKENDS:
-        raise ConvertError(f"unknown backend '{backend}'; use lmdb or leveldb")
+    kind = backends.get(backend)
+    if kind is None:
+        raise ConvertError(f"unknown backend '{backend}'; use {backends.names_text()}")
     path = os.fspath(db)
     shape = None
     size = count = 0
@@ -132,10 +83,10 @@ def compute_image_mean(db: str | os.PathLike, output: str | os.PathLike | None =
             int_sum += block.sum(axis=0, dtype=np.int64)
             pending.clear()
 
-    total = _lmdb_entries(path) if backend == "lmdb" and wanted() else None
+    total = kind.count(path) if wanted() else None
     label = os.path.basename(os.path.normpath(path))
     with Progress(total, label, unit="record", log=log) as progress:
-        for key, datum in _datums(path, backend):
+        for key, datum in _datums(path, kind):
             where = f"{path}: record {key!r}"
             check_payload(datum, where)
             if datum.encoded:

@@ -1,36 +1,29 @@
-"""Caffe's convert_imageset: the images of a list file become an LMDB or a LevelDB of Datum
-records, keyed, laid out and encoded as Caffe's tool writes them. ``DBWriter`` writes every
-database of Datums (images here and for in-memory images, features for extract_features)."""
+"""Caffe's convert_imageset: the images of a list file become an LMDB or a LevelDB (or any
+registered backend's database) of Datum records, keyed, laid out and encoded as Caffe's tool
+writes them. ``open_writer`` opens every database the tools write (images here, in-memory
+images, features for extract_features, the dataset tools' records)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import numpy as np
+from google.protobuf.message import Message
 
 from purine.converters import ConvertError, bool_flag, flag, run_main
 from purine.converters.progress import Progress
+from purine.data import db as backends
+from purine.data.datum import encode_datum
+from purine.data.db import DatumWriter
 from purine.data.image_list import read_list
-from purine.data.leveldb_source import message as leveldb_message
-from purine.data.leveldb_source import plyvel_module
-from purine.formats import caffe_pb2 as pb
 from purine.log import get_logger
 
-COMMIT_EVERY = 1000  # records per transaction, as Caffe's tools commit
 # Caffe shuffles with an unseeded RNG; ours is seeded so the same list gives the same order.
 SHUFFLE_SEED = 0
-# Caffe asks LMDB for a 1 TB map: address space only on 64-bit, the file grows as written.
-# A full map is still handled, by doubling it and retrying the transaction.
-MAP_SIZE = 1 << 40 if sys.maxsize > 2**32 else 1 << 30
-LMDB_MAX_KEY = 511  # bytes, LMDB's compiled-in limit
-# What Caffe asks of a new LevelDB: a 256 MB write buffer and 64 KiB blocks.
-LEVELDB_WRITE_BUFFER = 256 << 20
-LEVELDB_BLOCK = 64 << 10
 
 
 class Encoded(NamedTuple):
@@ -65,18 +58,6 @@ def image_shape(image: np.ndarray | Encoded) -> tuple[int, int, int]:
     raise ConvertError(f"an image is H x W or H x W x C, got shape {image.shape}")
 
 
-def mat_to_datum(image: np.ndarray, label: int) -> pb.Datum:
-    """A raw Datum: channels, height, width, the pixels as uint8 C x H x W, the label, and
-    ``encoded: false`` set explicitly, so the bytes equal Caffe's."""
-    image = np.asarray(image)
-    if image.dtype != np.uint8:
-        raise ConvertError(f"image data type must be uint8 (as Caffe's), got {image.dtype}")
-    c, h, w = image_shape(image)
-    chw = image.reshape(h, w, c).transpose(2, 0, 1)
-    return pb.Datum(channels=c, height=h, width=w, data=np.ascontiguousarray(chw).tobytes(),
-                    label=int(label), encoded=False)
-
-
 def encode_image(image: np.ndarray, encoding: str) -> bytes:
     """The image encoded by OpenCV as ``encoding`` ("png", "jpg", ...)."""
     import cv2
@@ -91,148 +72,64 @@ def encode_image(image: np.ndarray, encoding: str) -> bytes:
     return buf.tobytes()
 
 
-def image_datum(image: np.ndarray | Encoded, label: int, encoding: str = "") -> pb.Datum:
-    """The Datum Caffe stores for an image: raw, or encoded (bytes kept when already
-    Encoded, else encoded as ``encoding``); an encoded Datum has no channels/height/width."""
+def image_datum(image: np.ndarray | Encoded, label: int, encoding: str = "") -> bytes:
+    """The serialized Datum Caffe stores for an image: raw uint8 C x H x W with
+    ``encoded: false`` set explicitly, or encoded (bytes kept when already Encoded, else
+    encoded as ``encoding``), which has no channels/height/width."""
+    label = int(label)
     if isinstance(image, Encoded):
-        return pb.Datum(data=image.data, label=int(label), encoded=True)
+        return encode_datum(image.data, label)
     if encoding:
-        return pb.Datum(data=encode_image(image, encoding), label=int(label), encoded=True)
-    return mat_to_datum(image, label)
+        return encode_datum(encode_image(image, encoding), label)
+    image = np.asarray(image)
+    if image.dtype != np.uint8:
+        raise ConvertError(f"image data type must be uint8 (as Caffe's), got {image.dtype}")
+    c, h, w = image_shape(image)
+    return encode_datum(image.reshape(h, w, c).transpose(2, 0, 1), label, encoded=False)
 
 
 # -- the database writer ------------------------------------------------------------------
-def _commit(env, batch: list[tuple[bytes, bytes]]) -> None:
-    import lmdb
-
-    while True:
-        try:
-            with env.begin(write=True) as txn:
-                txn.cursor().putmulti(batch)
-            return
-        except lmdb.MapFullError:
-            # The transaction was aborted: grow the map (as newer Caffe does) and redo it.
-            env.set_mapsize(env.info()["map_size"] * 2)
+def _commit(writer: DatumWriter, batch: list[tuple[bytes, bytes]]) -> None:
+    """One transaction: every record the tools write passes here."""
+    writer.write(batch)
 
 
-class DBWriter:
-    """A new LMDB or LevelDB (Caffe's ``db::NEW``) written in transactions: ``put`` buffers
-    a record, ``commit`` writes the buffered ones together. The folder must not exist;
-    ``abort`` removes what was written."""
-
-    def __init__(self, path: str | os.PathLike, backend: str = "lmdb", log=None):
-        self.path, self.backend = os.fspath(path), backend
-        if backend not in ("lmdb", "leveldb"):
-            raise ConvertError(f"unknown backend '{backend}'; use lmdb or leveldb")
-        plyvel = plyvel_module() if backend == "leveldb" else None  # before any folder is made
-        try:
-            os.mkdir(self.path)
-        except FileExistsError:
-            raise ConvertError(f"{self.path}: already exists; remove it or choose another name "
-                               "(Caffe's tools never write into an existing database)") from None
-        except OSError as e:
-            raise ConvertError(f"{self.path}: cannot create the database folder: "
-                               f"{e.strerror}") from None
-        self.pending: list[tuple[bytes, bytes]] = []
-        self._env = self._db = None
-        try:
-            if plyvel is None:
-                import lmdb
-
-                try:
-                    self._env = lmdb.open(self.path, map_size=MAP_SIZE, subdir=True)
-                except lmdb.Error as e:
-                    raise ConvertError(f"{self.path}: cannot open the lmdb: {e}") from None
-            else:
-                try:
-                    self._db = plyvel.DB(self.path, create_if_missing=True,
-                                         error_if_exists=True,
-                                         write_buffer_size=LEVELDB_WRITE_BUFFER,
-                                         block_size=LEVELDB_BLOCK)
-                except plyvel.Error as e:
-                    raise ConvertError(f"{self.path}: cannot open the leveldb: "
-                                       f"{leveldb_message(e)}") from None
-        except BaseException:
-            shutil.rmtree(self.path, ignore_errors=True)
-            raise
-        (log or get_logger()).info("Opened %s %s", backend, self.path)
-
-    def put(self, key: str | bytes, value: pb.Datum | bytes) -> None:
-        k = key if isinstance(key, bytes) else key.encode("utf-8", "surrogateescape")
-        if self._env is not None and not 0 < len(k) <= LMDB_MAX_KEY:
-            raise ConvertError(f"key {key!r} is {len(k)} bytes; LMDB keys are 1 to "
-                               f"{LMDB_MAX_KEY} bytes")
-        self.pending.append((k, value if isinstance(value, bytes) else value.SerializeToString()))
-
-    def commit(self) -> None:
-        if not self.pending:
-            return
-        if self._env is not None:
-            self._commit_lmdb()
-        else:
-            import plyvel
-
-            try:
-                with self._db.write_batch(transaction=True) as batch:
-                    for k, v in self.pending:
-                        batch.put(k, v)
-            except plyvel.Error as e:
-                raise ConvertError(f"{self.path}: writing the leveldb failed: "
-                                   f"{leveldb_message(e)}") from None
-        self.pending.clear()
-
-    def _commit_lmdb(self) -> None:
-        import lmdb
-
-        try:
-            _commit(self._env, self.pending)
-        except lmdb.Error as e:
-            raise ConvertError(f"{self.path}: writing the lmdb failed: {e}") from None
-
-    def close(self) -> None:
-        """Commit what is pending and close the database."""
-        try:
-            self.commit()
-        finally:
-            self._close()
-
-    def _close(self) -> None:
-        if self._env is not None:
-            self._env.close()
-        if self._db is not None:
-            self._db.close()
-        self._env = self._db = None
-
-    def abort(self) -> None:
-        """Close without committing and remove the half-written database."""
-        self._close()
-        shutil.rmtree(self.path, ignore_errors=True)
+def open_writer(path: str | os.PathLike, backend: str, log=None) -> DatumWriter:
+    """A new database of the registered ``backend`` (Caffe's ``db::NEW``): put, commit
+    every db.COMMIT_EVERY records, close; its errors are ConvertErrors. The folder must not
+    exist; ``abort`` removes what was written."""
+    found = backends.get(backend)
+    if found is None:
+        raise ConvertError(f"unknown backend '{backend}'; use {backends.names_text()}")
+    writer = found.writer(path, ConvertError, transact=_commit)
+    (log or get_logger()).info("Opened %s %s", backend, writer.path)
+    return writer
 
 
-def _fill(db: DBWriter, items: Iterable[tuple[str | bytes, pb.Datum | bytes]],
+def _fill(writer: DatumWriter, items: Iterable[tuple[str | bytes, Message | bytes]],
           total: int | None, label: str, log) -> int:
     count = 0
     with Progress(total, label, unit="record", log=log) as progress:
         for key, value in items:
-            db.put(key, value)
+            committed = writer.put(key, value if isinstance(value, bytes)
+                                   else value.SerializeToString())
             count += 1
             progress.update(count)
-            if count % COMMIT_EVERY == 0:
-                db.commit()
+            if committed:
                 log.info("Processed %d files.", count)
-        if count % COMMIT_EVERY != 0:
-            db.commit()
+        if writer.pending:
+            writer.commit()
             log.info("Processed %d files.", count)
     return count
 
 
-def write_datums(db: str | os.PathLike, items: Iterable[tuple[str | bytes, pb.Datum | bytes]],
+def write_datums(db: str | os.PathLike, items: Iterable[tuple[str | bytes, Message | bytes]],
                  *, total: int | None = None, log=None, backend: str = "lmdb") -> int:
-    """Write (key, Datum) pairs to a new LMDB or LevelDB ``db`` in transactions of 1000, as
-    Caffe's tools do; returns the record count. The folder must not exist (Caffe's
-    ``db::NEW``); on an error the half-written database is removed."""
+    """Write (key, Datum or its bytes) pairs to a new ``backend`` database ``db`` in
+    transactions of 1000, as Caffe's tools do; returns the record count. The folder must
+    not exist (Caffe's ``db::NEW``); on an error the half-written database is removed."""
     log = log or get_logger()
-    writer = DBWriter(db, backend, log)
+    writer = open_writer(db, backend, log)
     try:
         count = _fill(writer, items, total, os.path.basename(os.path.normpath(writer.path)),
                       log)
@@ -247,13 +144,13 @@ def write_images(db: str | os.PathLike, records: Iterable[Record | tuple], *,
                  encoding: str = "", check_size: bool = False, total: int | None = None,
                  log=None, backend: str = "lmdb") -> int:
     """Write (key, image, label[, where]) records as Datums to a new ``backend`` database
-    ``db`` (lmdb or leveldb): raw uint8 C x H x W, or encoded as ``encoding`` ("png", "jpg";
-    ``Encoded`` images are kept as they are). ``check_size``: every image must have the
-    first one's (C, H, W)."""
+    ``db`` (lmdb, leveldb or another registered backend): raw uint8 C x H x W, or encoded as
+    ``encoding`` ("png", "jpg"; ``Encoded`` images are kept as they are). ``check_size``:
+    every image must have the first one's (C, H, W)."""
     if encoding:
         _check_encoding(encoding)
 
-    def datums() -> Iterator[tuple[str, pb.Datum]]:
+    def datums() -> Iterator[tuple[str, bytes]]:
         first = None
         for rec in records:
             key, image, label, *rest = rec
@@ -336,8 +233,8 @@ def convert_imageset(root: str | os.PathLike, listfile: str | os.PathLike,
     ``resize`` is (height, width). ``encode_type`` implies ``encoded``; ``encoded`` alone
     takes each file's extension. Returns the number of records written."""
     log = log or get_logger()
-    if backend not in ("lmdb", "leveldb"):
-        raise ConvertError(f"unknown backend '{backend}'; use lmdb or leveldb")
+    if backends.get(backend) is None:
+        raise ConvertError(f"unknown backend '{backend}'; use {backends.names_text()}")
     # A Path cannot end in '/', so it names a folder; a string is prefixed as given.
     root = os.path.join(root, "") if isinstance(root, os.PathLike) else root
     listfile = os.fspath(listfile)

@@ -223,8 +223,8 @@ def create_annoset(root: str | os.PathLike, listfile: str | os.PathLike,
                     label = int(second)
                 except ValueError:
                     raise ConvertError(f"{where}: label '{second}' is not an integer") from None
-                yield f"{line_id:08d}_{name}", annotated_datum(image_datum(image, label, enc),
-                                                               None)
+                yield f"{line_id:08d}_{name}", annotated_datum(
+                    pb.Datum.FromString(image_datum(image, label, enc)), None)
                 continue
             boxes: list[Box] = []
             anno = root + second
@@ -234,7 +234,8 @@ def create_annoset(root: str | os.PathLike, listfile: str | os.PathLike,
                          else read_txt_boxes(anno, h, w))
             else:
                 log.warning("%s: no annotation file %s; the image gets no boxes", where, anno)
-            yield f"{line_id:08d}_{name}", annotated_datum(image_datum(image, -1, enc), boxes)
+            yield f"{line_id:08d}_{name}", annotated_datum(
+                pb.Datum.FromString(image_datum(image, -1, enc)), boxes)
 
     return write_datums(db, records(), total=len(lines), log=log, backend=backend)
 

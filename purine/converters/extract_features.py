@@ -12,9 +12,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from purine.converters import ConvertError, run_main
-from purine.converters.convert_imageset import COMMIT_EVERY, DBWriter
+from purine.converters.convert_imageset import open_writer
 from purine.converters.progress import Progress
-from purine.formats import caffe_pb2 as pb
+from purine.data import db as backends
+from purine.data.datum import encode_datums
+from purine.data.db import DatumWriter
 from purine.log import get_logger
 
 
@@ -46,23 +48,10 @@ def _location(mode: str, device_id: int):
     return Location("gpu", device_id)
 
 
-# One float of a Datum's float_data (field 6, a 32-bit value, unpacked as Caffe writes it):
-# its tag byte, then the float, little-endian.
-_FLOAT_FIELD = np.dtype([("tag", "u1"), ("value", "<f4")])
-_FLOAT_TAG = (6 << 3) | 5
-
-
 def datum_records(values: np.ndarray, channels: int, height: int, width: int) -> list[bytes]:
     """Each row of ``values`` (N, C*H*W) as a serialized Datum of float_data, the bytes
-    protobuf writes for ``Datum(channels, height, width, float_data=row)``, made for all
-    rows at once rather than value by value."""
-    head = pb.Datum(channels=channels, height=height, width=width).SerializeToString()
-    fields = np.empty(values.shape, _FLOAT_FIELD)
-    fields["tag"] = _FLOAT_TAG
-    fields["value"] = values
-    body = fields.tobytes()
-    size = values.shape[1] * _FLOAT_FIELD.itemsize
-    return [head + body[k * size:(k + 1) * size] for k in range(values.shape[0])]
+    protobuf writes for ``Datum(channels, height, width, float_data=row)``."""
+    return encode_datums(values.reshape(len(values), channels, height, width))
 
 
 def extract_features(weights: str | os.PathLike, model: str | os.PathLike,
@@ -80,8 +69,8 @@ def extract_features(weights: str | os.PathLike, model: str | os.PathLike,
     if len(blobs) != len(dbs):
         raise ConvertError(f"{len(blobs)} blob name(s) ({','.join(blobs)}) but {len(dbs)} "
                            f"database name(s) ({','.join(dbs)}): the counts must be equal")
-    if backend not in ("lmdb", "leveldb"):
-        raise ConvertError(f"unknown database backend '{backend}'; use lmdb or leveldb")
+    if backends.get(backend) is None:
+        raise ConvertError(f"unknown database backend '{backend}'; use {backends.names_text()}")
     if num_batches < 0:
         raise ConvertError(f"num_mini_batches must be 0 or more, got {num_batches}")
     seen = set()
@@ -103,11 +92,11 @@ def extract_features(weights: str | os.PathLike, model: str | os.PathLike,
                                    f"{os.fspath(model)}")
         dims = {name: _legacy_dims(name, net.blobs[name].shape) for name in blobs}
 
-        writers: list[DBWriter] = []
+        writers: list[DatumWriter] = []
         try:
             for d in dbs:
                 log.info("Opening dataset %s", d)
-                writers.append(DBWriter(d, backend, log))
+                writers.append(open_writer(d, backend, log))
             log.info("Extracting Features")
             counts = [0] * len(blobs)
             with Progress(num_batches, "extract_features", unit="batch", log=log) as progress:
@@ -117,10 +106,9 @@ def extract_features(weights: str | os.PathLike, model: str | os.PathLike,
                         n, c, h, w = dims[name]
                         values = to_host(net.blobs[name].data).reshape(n, -1)
                         for record in datum_records(values, c, h, w):
-                            writers[i].put(f"{counts[i]:010d}", record)
+                            committed = writers[i].put(f"{counts[i]:010d}", record)
                             counts[i] += 1
-                            if counts[i] % COMMIT_EVERY == 0:
-                                writers[i].commit()
+                            if committed:
                                 log.info("Extracted features of %d query images for "
                                          "feature blob %s", counts[i], name)
                     progress.update(batch + 1)

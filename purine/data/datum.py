@@ -1,9 +1,11 @@
-"""Caffe's Datum records and images: parsing, raw (``data`` bytes or ``float_data``) and
-encoded (JPEG/PNG decoded by OpenCV as Caffe's DecodeDatumToCVMat does) payloads, the
-``.binaryproto`` mean file, and stacking decoded images into a batch."""
+"""Caffe's Datum records and images: the one Datum encoder (the bytes Caffe's tools write),
+parsing, raw (``data`` bytes or ``float_data``) and encoded (JPEG/PNG decoded by OpenCV as
+Caffe's DecodeDatumToCVMat does) payloads, the ``.binaryproto`` mean file, and stacking
+decoded images into a batch."""
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Sequence
 
@@ -16,6 +18,7 @@ from purine.errors import ProtoError
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import blob_to_array
 from purine.formats.prototxt import read_binary
+from purine.formats.wire import len_field, varint
 
 Image = np.ndarray
 """A decoded image: ``(C, H, W)``, possibly a transposed view of OpenCV's ``(H, W, C)``."""
@@ -23,6 +26,69 @@ Image = np.ndarray
 
 def show_key(key: bytes) -> str:
     return key.decode("utf-8", "backslashreplace")
+
+
+# -- encoding: the field layout Caffe's tools write (CVMatToDatum, EncodeCVMatToDatum,
+# extract_features), built from bytes so that float rows need no per-value protobuf call.
+# A float_data value is unpacked, as Caffe writes it: its tag byte, then the float.
+_FLOAT_FIELD = np.dtype([("tag", "u1"), ("value", "<f4")])
+_FLOAT_TAG = 6 << 3 | 5
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+
+
+def _int_field(number: int, value: int, what: str) -> bytes:
+    """A varint field of an int32 (a negative one as its 64-bit two's complement)."""
+    value = operator.index(value)  # an integer type; a float label is refused, as protobuf does
+    if not _INT32[0] <= value <= _INT32[1]:
+        raise DataError(f"Datum {what} {value} does not fit the int32 field")
+    return varint(number << 3) + varint(value & 0xFFFF_FFFF_FFFF_FFFF)
+
+
+def encode_datums(pixels: np.ndarray, labels: Sequence[int] | None = None, *,
+                  encoded: bool | None = None) -> list[bytes]:
+    """The serialized Datums of the N records of ``pixels`` (N, C, H, W): channels, height,
+    width, then uint8 pixels as ``data`` or any other type as ``float_data`` (through
+    float64, as pycaffe converts), each record's label when ``labels`` are given, and
+    ``encoded`` when not None (Caffe's convert_imageset writes ``encoded: false``)."""
+    pixels = np.asarray(pixels)
+    if pixels.ndim != 4:
+        raise DataError(f"Datum pixels are (N, channels, height, width), got shape "
+                        f"{pixels.shape}")
+    n, c, h, w = pixels.shape
+    head = (_int_field(1, c, "channels") + _int_field(2, h, "height")
+            + _int_field(3, w, "width"))
+    tail = b"" if encoded is None else varint(7 << 3) + (b"\x01" if encoded else b"\x00")
+    label_fields = ([b""] * n if labels is None
+                    else [_int_field(5, label, "label") for label in labels])
+    if len(label_fields) != n:
+        raise DataError(f"{len(label_fields)} labels for {n} Datum records")
+    if pixels.dtype == np.uint8:
+        rows = np.ascontiguousarray(pixels).reshape(n, c * h * w)
+        head += varint(4 << 3 | 2) + varint(rows.shape[1])  # data: tag, length
+        return [b"".join((head, rows[k].tobytes(), label_fields[k], tail)) for k in range(n)]
+    fields = np.empty((n, c * h * w), _FLOAT_FIELD)
+    fields["tag"] = _FLOAT_TAG
+    fields["value"] = pixels.reshape(n, c * h * w).astype(np.float64)
+    body, size = fields.tobytes(), c * h * w * _FLOAT_FIELD.itemsize
+    return [b"".join([head, label_fields[k], body[k * size:(k + 1) * size], tail])
+            for k in range(n)]
+
+
+def encode_datum(pixels: np.ndarray | bytes, label: int | None = None, *,
+                 encoded: bool | None = None) -> bytes:
+    """One serialized Datum: of a (C, H, W) array as ``encode_datums`` writes it, or of an
+    encoded image's bytes (PNG, JPEG): ``data``, the label, ``encoded: true`` and no
+    channels, height or width, as Caffe's EncodeCVMatToDatum stores it."""
+    labels = None if label is None else [label]
+    if isinstance(pixels, (bytes, bytearray, memoryview)):
+        return b"".join([*len_field(4, bytes(pixels)),
+                         b"" if label is None else _int_field(5, label, "label"),
+                         varint(7 << 3), b"\x01"])
+    pixels = np.asarray(pixels)
+    if pixels.ndim != 3:
+        raise DataError(f"a Datum holds a (channels, height, width) array, got shape "
+                        f"{pixels.shape}")
+    return encode_datums(pixels[None], labels, encoded=encoded)[0]
 
 
 def parse_datum(value: bytes, where: str) -> pb.Datum:

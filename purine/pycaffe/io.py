@@ -12,6 +12,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from purine.data import DataError
+from purine.data.datum import encode_datum
 from purine.errors import ProtoError, PurineError
 from purine.formats import caffe_pb2
 from purine.formats.caffemodel import array_to_blob, shape_problem
@@ -86,15 +87,7 @@ def array_to_datum(arr: np.ndarray, label: int | None = None) -> caffe_pb2.Datum
     if arr.ndim != 3:
         raise ValueError(f"array_to_datum: expected a 3-d (channels, height, width) array, "
                          f"got shape {arr.shape}")
-    datum = caffe_pb2.Datum()
-    datum.channels, datum.height, datum.width = arr.shape
-    if arr.dtype == np.uint8:
-        datum.data = arr.tobytes()
-    else:
-        datum.float_data.extend(arr.astype(np.float64).ravel().tolist())
-    if label is not None:
-        datum.label = label
-    return datum
+    return caffe_pb2.Datum.FromString(encode_datum(arr, label))
 
 
 def datum_to_array(datum: caffe_pb2.Datum) -> np.ndarray:

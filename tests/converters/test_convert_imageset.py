@@ -274,7 +274,9 @@ def test_transactions_of_1000_from_arrays(tmp_path, monkeypatch):
 
 
 def test_map_grows_when_full(tmp_path, monkeypatch):
-    monkeypatch.setattr(ci, "MAP_SIZE", 1 << 16)
+    from purine.data import db
+
+    monkeypatch.setattr(db, "MAP_SIZE", 1 << 16)  # the LMDB writer's first map
     images = np.random.default_rng(2).integers(0, 256, (300, 30, 30, 3), dtype=np.uint8)
     n = write_images(tmp_path / "db", ((f"{i:08d}", im, 0) for i, im in enumerate(images)),
                      log=Lines().log)

@@ -114,21 +114,23 @@ class _BatchShapes(Settler):
 
 def _data_backend(L: LayerBuild, p: pb.DataParameter) -> str:
     """The backend data_param asks for (LEVELDB when unset, Caffe's default), unless the
-    source holds the other kind: Caffe would fail to open it, we read it as what it is and
+    source holds another kind: Caffe would fail to open it, we read it as what it is and
     warn, so that a net written for an LMDB without 'backend: LMDB' runs."""
-    asked = "lmdb" if p.backend == pb.DataParameter.LMDB else "leveldb"
+    asked = db.by_enum(p.backend)
     found = db.detect(p.source)
-    setting = f"{asked.upper()}{'' if p.HasField('backend') else ' (the default)'}"
+    setting = (pb.DataParameter.DB.Name(p.backend)
+               + ("" if p.HasField("backend") else " (the default)"))
     if found is None:
         if not os.path.exists(p.source):
-            return asked  # the source says it does not exist
-        raise L.error(f"'{p.source}' is neither an LMDB (a folder with data.mdb) nor a LevelDB "
-                      f"(a folder with CURRENT); data_param.backend is {setting}")
-    if found != asked:
-        name = {"lmdb": "an LMDB", "leveldb": "a LevelDB"}[found]
+            return asked.name  # the source says it does not exist
+        raise L.error(f"'{p.source}' is {db.neither()}; data_param.backend is {setting}")
+    if found != asked.name:
+        b = db.get(found)
+        fix = ("Caffe has no such backend" if b.enum is None
+               else f"add 'backend: {pb.DataParameter.DB.Name(b.enum)}' to data_param")
         get_logger().warning("layer '%s': data_param.backend is %s but '%s' is %s: reading "
-                             "it as one (Caffe would not); add 'backend: %s' to data_param",
-                             L.name, setting, p.source, name, found.upper())
+                             "it as one (Caffe would not); %s", L.name, setting, p.source,
+                             b.article, fix)
     return found
 
 
