@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from purine.caffe.facts import facts
 from purine.errors import PurineError, run_reporting
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write
@@ -44,12 +45,7 @@ OP_GROUPS = (("forward", "forward", "#cfe2ff"), ("backward", "backward", "#f8d7d
 COLOUR_NAMES = {"#cfe2ff": "blue", "#f8d7da": "red", "#d1e7dd": "green", "#eeeeee": "grey"}
 BLOB_COLOURS = {"data": "#ffffff", "param": "#fff3cd", "diff": "#e2e3e5",
                 "solver": "#d1e7dd", "scratch": "#f8f9fa"}
-# The types drawn as convolutions (kernel, stride, pad, num_output): Caffe's two and the
-# MobileNet ports' depthwise spellings.
-CONVOLUTIONS = ("Convolution", "Deconvolution", "ConvolutionDepthwise", "DepthwiseConvolution")
-# Caffe's draw_net colours for its layer view.
-LAYER_COLOURS = {**dict.fromkeys(CONVOLUTIONS, "#FF5050"), "Pooling": "#FF9900",
-                 "InnerProduct": "#CC33FF"}
+# Caffe's draw_net colour of a type that declares none (purine.caffe.facts: ``colour``).
 LAYER_DEFAULT_COLOUR = "#6495ED"
 
 
@@ -168,29 +164,15 @@ def net_dot(builder: NetBuilder, solver: Solver | None = None, *, rankdir: str =
 
 
 # -- Caffe's layer view -------------------------------------------------------------------
+def layer_colour(layer_type: str) -> str:
+    """Caffe's draw_net fill colour of a layer type, as the type declares it."""
+    return facts(layer_type).colour or LAYER_DEFAULT_COLOUR
+
+
 def _layer_label(lp: pb.LayerParameter) -> str:
-    lines = [lp.name, f"({lp.type})"]
-    if lp.type in CONVOLUTIONS:
-        p = lp.convolution_param
-        k = list(p.kernel_size) or [p.kernel_h, p.kernel_w]
-        s = list(p.stride) or ([p.stride_h, p.stride_w] if p.HasField("stride_h") else [1])
-        pad = list(p.pad) or ([p.pad_h, p.pad_w] if p.HasField("pad_h") else [0])
-        lines.append(f"kernel {'x'.join(map(str, k))}, stride {'x'.join(map(str, s))}, "
-                     f"pad {'x'.join(map(str, pad))}")
-        lines.append(f"num_output {p.num_output}" + (f", group {p.group}" if p.group > 1
-                                                    else ""))
-    elif lp.type == "Pooling":
-        p = lp.pooling_param
-        method = pb.PoolingParameter.PoolMethod.Name(p.pool)
-        if p.global_pooling:
-            lines.append(f"{method}, global")
-        else:
-            k = p.kernel_size if p.HasField("kernel_size") else f"{p.kernel_h}x{p.kernel_w}"
-            s = p.stride if not p.HasField("stride_h") else f"{p.stride_h}x{p.stride_w}"
-            lines.append(f"{method} {k}, stride {s}, pad {p.pad}")
-    elif lp.type == "InnerProduct":
-        lines.append(f"num_output {lp.inner_product_param.num_output}")
-    return "\n".join(lines)
+    # The type's declared label adds its lines (a convolution's window, num_output ...).
+    label = facts(lp.type).label
+    return "\n".join([lp.name, f"({lp.type})", *(label(lp) if label else [])])
 
 
 def _phases(lp: pb.LayerParameter) -> frozenset[int]:
@@ -226,7 +208,7 @@ def layers_dot(param: pb.NetParameter, *, phase: int | None = None, rankdir: str
     read: set[tuple[str, str]] = set()  # (blob, writer node) pairs some layer reads
     for i, lp in enumerate(param.layer):
         node, phases = quote(f"layer:{i}:{lp.name}"), _phases(lp)
-        colour = LAYER_COLOURS.get(lp.type, LAYER_DEFAULT_COLOUR)
+        colour = layer_colour(lp.type)
         lines.append(f"  {node} " + _attrs(label=_layer_label(lp), shape="box", style="filled",
                                            fillcolor=colour, **{"class": "layer"}))
         for b in lp.bottom:

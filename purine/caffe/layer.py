@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from purine.backend import RandomStream
+from purine.caffe.facts import declare
 from purine.errors import LayerError, PurineError
 from purine.formats import caffe_pb2 as pb
 
@@ -96,14 +97,17 @@ class NetServices(Protocol):
 BUILDERS: dict[str, Builder] = {}
 
 
-def register(*types: str) -> Callable[[Builder], Builder]:
-    """Register a builder under one or more Caffe type strings."""
+def register(*types: str, **facts: Any) -> Callable[[Builder], Builder]:
+    """Register a builder under one or more Caffe type strings, with the types' facts
+    (``purine.caffe.facts.LayerFacts``' fields: split, export, fork, colour, label ...)."""
 
     def deco(fn: Builder) -> Builder:
         for t in types:
             if t in BUILDERS:
                 raise ValueError(f"layer type {t} registered twice")
             BUILDERS[t] = fn
+        if facts:
+            declare(*types, **facts)
         return fn
 
     return deco

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from purine.caffe.facts import facts
 from purine.converters import ConvertError
 
 
@@ -27,37 +28,14 @@ DATA_TYPES = frozenset({"Data", "ImageData", "HDF5Data", "MemoryData", "DummyDat
                         "WindowData"})
 
 
-# The Caffe fork each non-BVLC layer type comes from, named in an exporter's refusal.
-FORKS = {
-    **dict.fromkeys(("Normalize", "Permute", "PriorBox", "DetectionOutput", "MultiBoxLoss",
-                     "AnnotatedData"), "SSD, weiliu89/caffe"),
-    **dict.fromkeys(("ROIPooling", "SmoothL1Loss"), "Fast R-CNN, rbgirshick/caffe-fast-rcnn"),
-    "PSROIPooling": "R-FCN, daijifeng001/caffe-rfcn",
-    "Proposal": "Faster R-CNN's Python layer as OpenCV's Caffe importer runs it",
-    "Interp": "DeepLab / PSPNet", "ShuffleChannel": "ShuffleNet",
-    **dict.fromkeys(("ConvolutionDepthwise", "DepthwiseConvolution", "ReLU6"),
-                    "the MobileNet ports"),
-    "Mish": "the YOLOv4 ports", "Upsample": "SegNet / the YOLOv3 ports", "Axpy": "SENet",
-}
-
-_DEPLOY = "; export a deploy prototxt without it"
-# The forks' layers that only a training net has, and why no exporter writes them.
-TRAIN_ONLY = {
-    "MultiBoxLoss": "a training layer (prior matching, hard-negative mining and the loss)"
-                    + _DEPLOY,
-    "AnnotatedData": "a training layer (reads AnnotatedDatum LMDBs and samples crops)"
-                     + "; export a deploy prototxt whose inputs are Input layers",
-    "SmoothL1Loss": "a training layer (the box regression loss)" + _DEPLOY,
-}
-
-
 def unsupported(L: Any, target: str, supported: Iterable[str], why: str = "") -> ConvertError:
     """The error for layer ``L`` that has no exact ``target`` (ONNX, PyTorch) form: ``why``,
     or the types the exporter supports and, for a train net's layers, what to export. A
-    fork's layer type names its fork."""
-    fork = f", from {FORKS[L.type]}" if L.type in FORKS else ""
+    fork's layer type names its fork (both as the layer's facts declare)."""
+    declared = facts(L.type)
+    fork = f", from {declared.fork}" if declared.fork else ""
     head = f"layer '{L.param.name}' (type {L.type}{fork}): no exact {target} form"
-    why = why or TRAIN_ONLY.get(L.type, "")
+    why = why or declared.train_only
     if why:
         return ConvertError(f"{head}: {why}")
     hint = ""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from purine.caffe.facts import facts, types_with
 from purine.caffe.layers.vision import pool_values, spatial_values
 from purine.converters import ConvertError, flag, run_main
 from purine.converters.deploy import (
@@ -166,7 +167,7 @@ class _Exporter:
             for i, L in enumerate(self.layers):
                 if i not in self.skip:  # a Scale folded into the BatchNorm before it
                     self.index = i
-                    handler = _HANDLERS.get(L.type)
+                    handler = _handler(L)
                     if handler is None:
                         raise _unsupported(L)
                     handler(self, L)
@@ -202,13 +203,24 @@ class _Exporter:
 
 
 def _unsupported(L: LayerBuild, why: str = "") -> ConvertError:
-    return unsupported(L, "ONNX", _HANDLERS, why or _REFUSED.get(L.type, ""))
+    return unsupported(L, "ONNX", supported(), why or _REFUSED.get(L.type, ""))
+
+
+def _handler(L: LayerBuild) -> Callable[[_Exporter, LayerBuild], None] | None:
+    """The handler of the export form ``L``'s type declares (None: no ONNX form)."""
+    return _FORMS.get(facts(L.type).export)
+
+
+def supported() -> list[str]:
+    """The layer types whose declared export form this exporter writes."""
+    return types_with(lambda f: f.export in _FORMS)
 
 
 def _is_alias(L: LayerBuild) -> bool:
-    return L.type in ("Dropout", "Split", "Silence") or (
-        L.type == "Concat" and len(L.param.bottom) == 1) or (
-        L.type == "Permute" and _order(L) == list(range(len(L.bottoms[0].shape))))
+    form = facts(L.type).export
+    return form in ("dropout", "split", "silence") or (
+        form == "concat" and len(L.param.bottom) == 1) or (
+        form == "permute" and _order(L) == list(range(len(L.bottoms[0].shape))))
 
 
 def _axis(L: LayerBuild, axis: int, ndim: int) -> int:
@@ -690,18 +702,17 @@ _REFUSED = {
 }
 
 
-_HANDLERS: dict[str, Callable[[_Exporter, LayerBuild], None]] = {
-    "Input": _input, "Split": _split, "Dropout": _dropout, "Silence": _silence,
-    "Convolution": _convolution, "Deconvolution": _convolution, "Pooling": _pooling,
-    "LRN": _lrn, "InnerProduct": _inner_product, "ReLU": _relu,
-    "Sigmoid": _unary("Sigmoid"), "TanH": _unary("Tanh"), "Softmax": _softmax,
-    "Concat": _concat, "Eltwise": _eltwise, "BatchNorm": _batch_norm, "Scale": _scale,
-    "Bias": _bias, "Flatten": _reshape, "Reshape": _reshape,
-    # the forks' layers (purine.caffe.layers.forks, ssd and rcnn)
-    **dict.fromkeys(_DEPTHWISE, _convolution), "ReLU6": _relu6, "Mish": _mish,
-    "Permute": _permute, "ShuffleChannel": _shuffle_channel, "Axpy": _axpy,
-    "Interp": _interp, "Upsample": _upsample, "Normalize": _normalize,
-    "PriorBox": _prior_box, "ROIPooling": _roi_pooling,
+# The export forms (a layer type declares its form where it is registered) written here.
+_FORMS: dict[str, Callable[[_Exporter, LayerBuild], None]] = {
+    "input": _input, "split": _split, "dropout": _dropout, "silence": _silence,
+    "convolution": _convolution, "pooling": _pooling, "lrn": _lrn,
+    "inner_product": _inner_product, "relu": _relu, "sigmoid": _unary("Sigmoid"),
+    "tanh": _unary("Tanh"), "softmax": _softmax, "concat": _concat, "eltwise": _eltwise,
+    "batch_norm": _batch_norm, "scale": _scale, "bias": _bias, "flatten": _reshape,
+    "reshape": _reshape, "relu6": _relu6, "mish": _mish, "permute": _permute,
+    "shuffle_channel": _shuffle_channel, "axpy": _axpy, "interp": _interp,
+    "upsample": _upsample, "normalize": _normalize, "prior_box": _prior_box,
+    "roi_pooling": _roi_pooling,
 }
 
 
@@ -748,7 +759,7 @@ def net_to_onnx(net: Net, batch: int | None = None) -> Any:
     the reason in the model's ``purine.batch`` metadata, where the net cannot follow it);
     an integer builds the net at that batch size and writes every shape fixed."""
     for L in net.builder.layers:  # a layer with no ONNX form is refused before any probe
-        if L.type not in _HANDLERS:
+        if _handler(L) is None:
             raise _unsupported(L)
     if batch is not None:
         if batch < 1:
@@ -810,7 +821,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.description = (f"Export a deploy net and its weights to ONNX (opset {OPSET}). "
                               "The batch axis (axis 0 of the inputs) is symbolic unless "
                               "--batch fixes it. Supported layers: "
-                              + ", ".join(sorted(_HANDLERS)) + ".")
+                              + ", ".join(supported()) + ".")
     flag(parser, "model", required=True, help="the deploy prototxt (Input layers)")
     flag(parser, "weights", required=True, help="the .caffemodel with the parameters")
     flag(parser, "batch", type=_batch, default=None, metavar="N",

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from purine.caffe.facts import facts, types_with
 from purine.caffe.layers.vision import pool_values, spatial_values
 from purine.converters import ConvertError, flag, run_main
 from purine.converters.deploy import (
@@ -41,7 +42,6 @@ _POOL = pb.PoolingParameter
 _LRN = pb.LRNParameter
 _ELTWISE = pb.EltwiseParameter
 # Data layers of a deploy net whose tops are fed by the caller: they become forward's inputs.
-_INPUT_TYPES = ("Input", "Data", "ImageData", "HDF5Data", "MemoryData", "WindowData")
 WIDTH = 99  # the generated source stays within ruff's 100 columns where it can
 
 # Names an attribute must not take: nn.Module's own (torch 2.x; the tests check this list
@@ -499,7 +499,7 @@ class _Writer:
     def run(self) -> tuple[str, list[str]]:
         with Progress(len(self.layers), "caffe_to_pytorch", unit="layer") as progress:
             for i, L in enumerate(self.layers):
-                handler = _HANDLERS.get(L.type)
+                handler = _FORMS.get(facts(L.type).export)
                 if handler is None:
                     raise _unsupported(L)
                 handler(self, L)
@@ -554,7 +554,12 @@ def _doc(text: str) -> str:
 
 
 def _unsupported(L: LayerBuild, why: str = "") -> ConvertError:
-    return unsupported(L, "PyTorch", _HANDLERS, why or _REFUSED.get(L.type, ""))
+    return unsupported(L, "PyTorch", supported(), why or _REFUSED.get(L.type, ""))
+
+
+def supported() -> list[str]:
+    """The layer types whose declared export form this exporter writes."""
+    return types_with(lambda f: f.export in _FORMS)
 
 
 def _axis(L: LayerBuild, axis: int, ndim: int) -> int:
@@ -870,18 +875,18 @@ _REFUSED = {
 }
 
 
-_HANDLERS: dict[str, Callable[[_Writer, LayerBuild], None]] = {
-    **{t: _input for t in _INPUT_TYPES}, "Split": _alias, "Silence": _silence,
-    "Convolution": _convolution, "Deconvolution": _convolution, "Pooling": _pooling,
-    "LRN": _lrn, "InnerProduct": _inner_product, "ReLU": _relu, "PReLU": _prelu, "ELU": _elu,
-    "Sigmoid": _fixed("nn.Sigmoid"), "TanH": _fixed("nn.Tanh"), "Dropout": _dropout,
-    "Softmax": _softmax, "Concat": _concat, "Eltwise": _eltwise, "Scale": _scale,
-    "Bias": _bias, "BatchNorm": _batch_norm, "Flatten": _flatten, "Reshape": _reshape,
-    # the forks' layers (purine.caffe.layers.forks and ssd)
-    **dict.fromkeys(_DEPTHWISE, _convolution), "ReLU6": _fixed("nn.ReLU6"),
-    "Mish": _fixed("nn.Mish"), "Permute": _permute, "ShuffleChannel": _shuffle_channel,
-    "Axpy": _axpy, "Interp": _interp, "Upsample": _upsample, "Normalize": _normalize,
-    "PriorBox": _prior_box,
+# The export forms (a layer type declares its form where it is registered) written here;
+# a data layer is an input of the deploy net.
+_FORMS: dict[str, Callable[[_Writer, LayerBuild], None]] = {
+    "input": _input, "data": _input, "split": _alias, "silence": _silence,
+    "convolution": _convolution, "pooling": _pooling, "lrn": _lrn,
+    "inner_product": _inner_product, "relu": _relu, "prelu": _prelu, "elu": _elu,
+    "sigmoid": _fixed("nn.Sigmoid"), "tanh": _fixed("nn.Tanh"), "dropout": _dropout,
+    "softmax": _softmax, "concat": _concat, "eltwise": _eltwise, "scale": _scale,
+    "bias": _bias, "batch_norm": _batch_norm, "flatten": _flatten, "reshape": _reshape,
+    "relu6": _fixed("nn.ReLU6"), "mish": _fixed("nn.Mish"), "permute": _permute,
+    "shuffle_channel": _shuffle_channel, "axpy": _axpy, "interp": _interp,
+    "upsample": _upsample, "normalize": _normalize, "prior_box": _prior_box,
 }
 
 
@@ -1002,7 +1007,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.description = ("Export a deploy net and its weights as a PyTorch module "
                               "(OUT_DIR/<net name>.py) and .safetensors weights; loading "
                               f"them needs PyTorch and safetensors ({LOAD_WITH}). "
-                              "Supported layers: " + ", ".join(sorted(_HANDLERS)) + ".")
+                              "Supported layers: " + ", ".join(supported()) + ".")
     flag(parser, "model", required=True, help="the deploy prototxt (Input layers)")
     flag(parser, "weights", required=True, help="the .caffemodel with the parameters")
     flag(parser, "phase", type=_phase, default=pb.TEST, metavar="TRAIN|TEST",

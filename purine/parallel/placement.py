@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from purine.caffe.facts import CHANNELS, SplitRefused, TowerSplit, facts, types_with
 from purine.errors import LayerError, ProtoError, PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import load_weights, save_net
@@ -39,15 +40,7 @@ from purine.graph import CPU, Location
 if TYPE_CHECKING:
     from purine.caffe.net import Net
 
-# Layers whose channels are independent of each other: tower k computes channels k of T
-# (Dropout's towers draw masks of their own).
-PER_CHANNEL = frozenset({"ReLU", "Sigmoid", "TanH", "ELU", "AbsVal", "BNLL", "Threshold",
-                         "Power", "Exp", "Log", "Dropout", "Pooling", "LRN"})
-
 REPLICAS = "replicas"  # a placement's word for the replicas' locations, one tower each
-# Layers a replica cannot run on its part of the batch: BatchNorm writes its statistics
-# (parameters) in the forward pass, which copies sharing them cannot all do.
-NOT_REPLICATED = frozenset({"BatchNorm"})
 _LOCATION = re.compile(r"(?:rank(\d+)/)?(cpu|gpu):(\d+)(?:/t(\d+))?")
 _TOKEN = re.compile(r'(?P<space>[ \t\r\n]+)|(?P<comment>#[^\n]*)|"(?P<string>[^"\n]*)"'
                     r'|(?P<word>[A-Za-z_]\w*)|(?P<punct>[:{}])')
@@ -420,9 +413,12 @@ class _Rewrite:
         copy r, named ``<layer>/replica<r>``, uses the same parameter blobs, whose gradient
         is then the sum over the copies: the whole batch's, as in the unsplit net."""
         n = len(locs)
-        if lp.type in NOT_REPLICATED or any(lp.loss_weight) or lp.type.endswith("Loss"):
+        # A layer that declares replicates=False (BatchNorm) writes its parameters (the
+        # statistics) in the forward pass, which copies sharing them cannot all do.
+        alone = not facts(lp.type).replicates
+        if alone or any(lp.loss_weight) or lp.type.endswith("Loss"):
             what = ("its forward pass writes its parameters (the statistics)"
-                    if lp.type in NOT_REPLICATED else "it computes a loss over its batch")
+                    if alone else "it computes a loss over its batch")
             raise LayerError(lp.name, lp.type, f"cannot run once per replica: {what}; "
                              "name it (or a layer before it) in the placement file so that "
                              "it sees the whole batch")
@@ -486,62 +482,35 @@ class _Rewrite:
                         "layer has one of each")
         if any(spec.name for spec in lp.param):
             raise error("it shares parameters by name")
-        by_input, axes, group = self._mode(lp, n, error)
+        rule = facts(lp.type).split
+        if rule is None:
+            rules = types_with(lambda f: f.split is not None and f.split != CHANNELS)
+            raise error(f"towers can split {', '.join(rules)} and the per-channel layers "
+                        f"{', '.join(types_with(lambda f: f.split == CHANNELS))}")
+        try:  # a per-channel layer: tower k computes channels k of T of the bottom
+            how = TowerSplit(True) if rule == CHANNELS else rule(lp, n)
+        except SplitRefused as e:
+            raise error(str(e)) from None
         x, y = lp.bottom[0], lp.top[0]
         names = [self.layer_name(f"{lp.name}/tower{k}") for k in range(n)]
-        if by_input:
+        if how.by_input:
             inputs = self.parts(x, n, lp)
         else:
             inputs = [self.full(x, loc, name) for loc, name in zip(locs, names, strict=True)]
         # In place where the part is in the tower's memory; elsewhere the tower reads a
         # copy of it, so it writes a top of its own, which then holds the part's value.
-        here = [loc for _, loc in self.values[x].parts] if x == y and by_input else []
+        here = [loc for _, loc in self.values[x].parts] if x == y and how.by_input else []
         outputs = [inputs[k] if here and here[k].memory == locs[k].memory
                    else self.blob_name(f"{y}/tower{k}") for k in range(n)]
         for k in range(n):
             tower = pb.LayerParameter()
             tower.CopyFrom(lp)
             tower.name, tower.bottom[0], tower.top[0] = names[k], inputs[k], outputs[k]
-            if lp.type == "Convolution":
-                tower.convolution_param.num_output //= n
-                tower.convolution_param.group = group
-            elif lp.type == "InnerProduct":
-                tower.inner_product_param.num_output //= n
+            if how.tower is not None:
+                how.tower(tower)
             self.add(tower, locs[k])
         self.values[y] = _Value([], list(zip(outputs, locs, strict=True)))
-        self.towers[lp.name] = Towers(names, axes)
-
-    @staticmethod
-    def _mode(lp: pb.LayerParameter, n: int, error) -> tuple[bool, list[int], int]:
-        """(whether tower k takes channel part k of the bottom, or all of it; the axis each
-        parameter blob splits along; a Convolution tower's group)."""
-        if lp.type == "Convolution":
-            p = lp.convolution_param
-            if p.axis != 1:
-                raise error(f"its channel axis is {p.axis}; towers split axis 1")
-            if p.num_output % n:
-                raise error(f"num_output {p.num_output} is not a multiple of {n}")
-            axes = [0, 0] if p.bias_term else [0]
-            if p.group % n == 0:  # tower k takes groups k*G/n .. (k+1)*G/n - 1
-                return True, axes, p.group // n
-            if p.group == 1:  # tower k computes outputs k of n from every input channel
-                return False, axes, 1
-            raise error(f"group {p.group} is neither a multiple of {n} (each tower takes its "
-                        "share of the groups) nor 1 (each tower sees every channel)")
-        if lp.type == "InnerProduct":
-            p = lp.inner_product_param
-            if p.axis != 1:
-                raise error(f"its axis is {p.axis}; towers split axis 1")
-            if p.num_output % n:
-                raise error(f"num_output {p.num_output} is not a multiple of {n}")
-            return False, [1 if p.transpose else 0] + ([0] if p.bias_term else []), 1
-        if lp.type == "LRN" and lp.lrn_param.norm_region == pb.LRNParameter.ACROSS_CHANNELS:
-            raise error("LRN across channels mixes neighbouring channels of two towers; "
-                        "leave it whole (or use norm_region: WITHIN_CHANNEL)")
-        if lp.type in PER_CHANNEL:
-            return True, [], 1
-        raise error(f"towers can split Convolution, InnerProduct and the per-channel layers "
-                    f"{', '.join(sorted(PER_CHANNEL))}")
+        self.towers[lp.name] = Towers(names, list(how.axes))
 
     def finish(self, net: pb.NetParameter) -> None:
         """Join the towers' parts of the net's outputs, so that the split net has the

@@ -9,7 +9,8 @@ import shutil
 import subprocess
 from typing import Any
 
-from purine.draw import CONVOLUTIONS, LAYER_COLOURS, LAYER_DEFAULT_COLOUR, DrawError, quote
+from purine.caffe.facts import facts
+from purine.draw import LAYER_DEFAULT_COLOUR, DrawError, layer_colour, quote
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write
 from purine.formats.upgrade import upgrade_net
@@ -25,7 +26,6 @@ NEURON_LAYER_STYLE = {"shape": "record", "fillcolor": "#90EE90", "style": "fille
 BLOB_STYLE = {"shape": "octagon", "fillcolor": "#E0E0E0", "style": "filled"}
 
 RANKDIRS = ("LR", "TB", "BT", "RL")
-LEARNING_LAYERS = (*CONVOLUTIONS, "InnerProduct")
 EMPTY_LABEL = '""'
 
 
@@ -60,17 +60,14 @@ def get_edge_label(layer: pb.LayerParameter) -> str:
     the convolutions (depthwise too) and InnerProduct, else the empty dot string ``""``."""
     if layer.type == "Data":
         return f"Batch {layer.data_param.batch_size}"
-    if layer.type in CONVOLUTIONS:
-        return str(layer.convolution_param.num_output)
-    if layer.type == "InnerProduct":
-        return str(layer.inner_product_param.num_output)
-    return EMPTY_LABEL
+    num_output = facts(layer.type).num_output  # the learning layers declare theirs
+    return EMPTY_LABEL if num_output is None else str(num_output(layer))
 
 
 def get_layer_lr_mult(layer: pb.LayerParameter) -> tuple[float, float]:
     """``(weight, bias)`` learning-rate multipliers of a Convolution, Deconvolution or
     InnerProduct layer; 1.0 where its ``param`` entries leave them unset."""
-    if layer.type not in LEARNING_LAYERS:
+    if facts(layer.type).num_output is None:
         raise NetDrawError(f"layer '{layer.name}': {layer.type} layers have no learning rate "
                            "multiplier")
     if len(layer.param) > 2:
@@ -79,28 +76,6 @@ def get_layer_lr_mult(layer: pb.LayerParameter) -> tuple[float, float]:
     # ParamSpec.lr_mult defaults to 1, as does a param entry that is not there.
     mults = [p.lr_mult for p in layer.param] + [1.0] * (2 - len(layer.param))
     return mults[0], mults[1]
-
-
-def _size(values: list[int]) -> str:
-    # One number when every axis agrees (Caffe's label), "HxW" when they differ.
-    return str(values[0]) if len(set(values)) <= 1 else "x".join(map(str, values))
-
-
-def _window(layer: pb.LayerParameter) -> tuple[str, str, str]:
-    """Kernel, stride and pad of a Convolution, Deconvolution or Pooling layer as the layer
-    uses them (per-axis lists and legacy ``_h``/``_w`` fields included)."""
-    if layer.type == "Pooling":
-        p: Any = layer.pooling_param
-        kernel = "global" if p.global_pooling else _size(
-            [p.kernel_h, p.kernel_w] if p.HasField("kernel_h") else [p.kernel_size])
-        stride = [p.stride_h, p.stride_w] if p.HasField("stride_h") else [p.stride]
-        pad = [p.pad_h, p.pad_w] if p.HasField("pad_h") else [p.pad]
-        return kernel, _size(stride), _size(pad)
-    p = layer.convolution_param
-    kernel = list(p.kernel_size) or ([p.kernel_h, p.kernel_w] if p.HasField("kernel_h") else [1])
-    stride = list(p.stride) or ([p.stride_h, p.stride_w] if p.HasField("stride_h") else [1])
-    pad = list(p.pad) or ([p.pad_h, p.pad_w] if p.HasField("pad_h") else [0])
-    return _size(kernel), _size(stride), _size(pad)
 
 
 def get_layer_label(layer: pb.LayerParameter, rankdir: str, display_lrm: bool = False) -> str:
@@ -113,10 +88,11 @@ def get_layer_label(layer: pb.LayerParameter, rankdir: str, display_lrm: bool = 
     if kind == "Pooling":
         kind += " " + get_pooling_types_dict()[layer.pooling_param.pool]
     parts = [quote(layer.name)[1:-1], f"({quote(kind)[1:-1]})"]
-    if layer.type in (*CONVOLUTIONS, "Pooling"):
-        kernel, stride, pad = _window(layer)
+    window = facts(layer.type).window  # kernel, stride, pad of a window layer
+    if window is not None:
+        kernel, stride, pad = window(layer)
         parts.append(sep.join([f"kernel size: {kernel}", f"stride: {stride}", f"pad: {pad}"]))
-    if display_lrm and layer.type in LEARNING_LAYERS:
+    if display_lrm and facts(layer.type).num_output is not None:
         weight, bias = get_layer_lr_mult(layer)
         if weight or bias:
             parts.append(f"lr mult: {weight:.1f}, {bias:.1f}")
@@ -126,7 +102,7 @@ def get_layer_label(layer: pb.LayerParameter, rankdir: str, display_lrm: bool = 
 def choose_color_by_layertype(layertype: str) -> str:
     """Caffe's fill colour for a layer type: red for (de)convolution, orange for pooling,
     purple for inner product, blue otherwise."""
-    return LAYER_COLOURS.get(layertype, LAYER_DEFAULT_COLOUR)
+    return layer_colour(layertype)
 
 
 def _in_phase(layer: pb.LayerParameter, phase: int) -> bool:

@@ -53,7 +53,7 @@ def _alias(L: LayerBuild):
     return backward
 
 
-@register("Concat")
+@register("Concat", export="concat")
 def concat(L: LayerBuild):
     L.expect((1, None), 1)
     xs = L.bottoms
@@ -133,7 +133,7 @@ def slice_layer(L: LayerBuild):
 _ELTWISE = pb.EltwiseParameter
 
 
-@register("Eltwise")
+@register("Eltwise", export="eltwise")
 def eltwise(L: LayerBuild):
     L.expect((2, None), 1)
     _not_in_place(L, "Caffe's Eltwise overwrites a bottom it still has to read")
@@ -197,7 +197,7 @@ def _reshaped(L: LayerBuild, shape: tuple[int, ...]):
     return backward
 
 
-@register("Flatten")
+@register("Flatten", export="flatten")
 def flatten(L: LayerBuild):
     L.expect(1, 1)
     _not_in_place(L, "Caffe's Flatten does not allow it")
@@ -211,7 +211,7 @@ def flatten(L: LayerBuild):
     return _reshaped(L, shape[:start] + (math.prod(shape[start:end + 1]),) + shape[end + 1:])
 
 
-@register("Reshape")
+@register("Reshape", export="reshape")
 def reshape(L: LayerBuild):
     L.expect(1, 1)
     _not_in_place(L, "Caffe's Reshape does not allow it")
@@ -327,7 +327,7 @@ def argmax(L: LayerBuild):
     return backward
 
 
-@register("Silence")
+@register("Silence", export="silence")
 def silence(L: LayerBuild):
     L.expect((1, None), 0)
 

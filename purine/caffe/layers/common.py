@@ -6,12 +6,32 @@ import math
 
 import numpy as np
 
+from purine.caffe.facts import SplitRefused, TowerSplit
 from purine.caffe.fillers import check_filler, fill
 from purine.caffe.layer import LayerBuild, register
 from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.ops import inner_product as ip
 from purine.ops import tensor
+
+
+def _ip_towers(lp: pb.LayerParameter, n: int) -> TowerSplit:
+    """An InnerProduct in ``n`` towers: each computes num_output/n outputs from the whole
+    bottom; a transposed weight (K, num_output) splits along its second axis."""
+    p = lp.inner_product_param
+    if p.axis != 1:
+        raise SplitRefused(f"its axis is {p.axis}; towers split axis 1")
+    if p.num_output % n:
+        raise SplitRefused(f"num_output {p.num_output} is not a multiple of {n}")
+
+    def tower(t: pb.LayerParameter) -> None:
+        t.inner_product_param.num_output //= n
+
+    return TowerSplit(False, (1 if p.transpose else 0,) + ((0,) if p.bias_term else ()), tower)
+
+
+def _ip_label(lp: pb.LayerParameter) -> list[str]:
+    return [f"num_output {lp.inner_product_param.num_output}"]
 
 
 def canonical_axis(L: LayerBuild, axis: int, num_axes: int, what: str = "axis") -> int:
@@ -27,7 +47,7 @@ def _shapes(L: LayerBuild, shapes, n: int) -> list[tuple[int, ...]]:
     return [tuple(shapes[i if len(shapes) > 1 else 0].dim) for i in range(n)]
 
 
-@register("Input")
+@register("Input", export="input")
 def input_layer(L: LayerBuild):
     L.expect(0, (1, None))
     shapes = _shapes(L, L.param.input_param.shape, len(L.param.top))
@@ -69,7 +89,7 @@ def dummy_data(L: LayerBuild):
     return None
 
 
-@register("Split")
+@register("Split", export="split")
 def split(L: LayerBuild):
     L.expect(1, (1, None))
     x = L.bottom(0)
@@ -86,7 +106,8 @@ def split(L: LayerBuild):
     return backward
 
 
-@register("InnerProduct")
+@register("InnerProduct", split=_ip_towers, export="inner_product", colour="#CC33FF",
+          label=_ip_label, num_output=lambda lp: lp.inner_product_param.num_output)
 def inner_product(L: LayerBuild):
     L.expect(1, 1)
     p = L.param.inner_product_param

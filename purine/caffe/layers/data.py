@@ -134,7 +134,7 @@ def _data_backend(L: LayerBuild, p: pb.DataParameter) -> str:
     return found
 
 
-@register("Data")
+@register("Data", export="data")  # a deploy export's input
 def data_layer(L: LayerBuild):
     L.expect(0, (1, 2))
     if _reuse(L):
@@ -165,7 +165,7 @@ def data_layer(L: LayerBuild):
     return None
 
 
-@register("ImageData")
+@register("ImageData", export="data")  # a deploy export's input
 def image_data_layer(L: LayerBuild):
     L.expect(0, 2)
     p = L.param.image_data_param
@@ -199,7 +199,7 @@ def image_data_layer(L: LayerBuild):
     return None
 
 
-@register("MemoryData")
+@register("MemoryData", export="data")  # a deploy export's input
 def memory_data_layer(L: LayerBuild):
     L.expect(0, 2)
     p = L.param.memory_data_param
@@ -216,7 +216,7 @@ def memory_data_layer(L: LayerBuild):
     return None
 
 
-@register("HDF5Data")
+@register("HDF5Data", export="data")  # a deploy export's input
 def hdf5_data_layer(L: LayerBuild):
     L.expect(0, (1, None))
     if _reuse(L):
@@ -270,7 +270,7 @@ def add_images(net: Net, images: Sequence[np.ndarray], labels: Sequence[int]) ->
 _WINDOW_LEGACY = ("mean_file", "crop_size", "mirror")  # read from transform_param instead
 
 
-@register("WindowData")
+@register("WindowData", export="data")  # a deploy export's input
 def window_data_layer(L: LayerBuild):
     L.expect(0, 2)
     p, tp = L.param.window_data_param, L.param.transform_param

@@ -15,6 +15,8 @@ from purine.ops import fork_activation as fact
 from purine.ops import fork_array as farr
 from purine.ops import interp, tensor
 
+MOBILENET = "the MobileNet ports"
+
 
 def _four_axes(L: LayerBuild, i: int) -> Blob:
     b = L.bottom(i)
@@ -61,7 +63,7 @@ def _interp_size(L: LayerBuild, h: int, w: int) -> tuple[int, int]:
                   "(or a second bottom whose height and width the top takes)")
 
 
-@register("Interp")
+@register("Interp", fork="DeepLab / PSPNet", export="interp")
 def interp_layer(L: LayerBuild):
     L.expect((1, 2), 1)
     vision._no_in_place(L)
@@ -93,7 +95,7 @@ def interp_layer(L: LayerBuild):
 
 
 # -- ShuffleChannel (ShuffleNet) ------------------------------------------------------------
-@register("ShuffleChannel")
+@register("ShuffleChannel", fork="ShuffleNet", export="shuffle_channel")
 def shuffle_channel_layer(L: LayerBuild):
     L.expect(1, 1)
     vision._no_in_place(L)
@@ -115,7 +117,8 @@ def shuffle_channel_layer(L: LayerBuild):
 
 
 # -- depthwise convolution (MobileNet ports) ------------------------------------------------
-@register("ConvolutionDepthwise", "DepthwiseConvolution")
+@register("ConvolutionDepthwise", "DepthwiseConvolution", fork=MOBILENET,
+          **vision.CONVOLUTION_FACTS)
 def depthwise_convolution(L: LayerBuild):
     """Convolution with group = the bottom's channels, given or not (the forks' prototxts
     often leave group out); num_output must be a multiple of the channels (1 filter per
@@ -146,7 +149,7 @@ def depthwise_convolution(L: LayerBuild):
 
 
 # -- ReLU6, Mish ----------------------------------------------------------------------------
-@register("ReLU6")
+@register("ReLU6", fork=MOBILENET, export="relu6")
 def relu6(L: LayerBuild):
     x, _ = _neuron(L)
     y = L.top(0, x.shape)
@@ -154,7 +157,7 @@ def relu6(L: LayerBuild):
     return _unary(L, fact.relu6_forward, fact.relu6_backward, x, [y], [y])
 
 
-@register("Mish")
+@register("Mish", fork="the YOLOv4 ports", export="mish")
 def mish(L: LayerBuild):
     x, _ = _neuron(L)
     src = L.saved(0)  # the gradient needs the bottom, which an in-place forward overwrites
@@ -207,7 +210,7 @@ def _upsample_nearest(L: LayerBuild):
     return backward
 
 
-@register("Upsample")
+@register("Upsample", fork="SegNet / the YOLOv3 ports", export="upsample")
 def upsample_layer(L: LayerBuild):
     """SegNet's unpooling with a mask bottom; with one bottom, the YOLOv3 ports' layer."""
     L.expect((1, 2), 1)
@@ -231,7 +234,7 @@ def upsample_layer(L: LayerBuild):
 
 
 # -- Axpy (SENet) ---------------------------------------------------------------------------
-@register("Axpy")
+@register("Axpy", fork="SENet", export="axpy")
 def axpy_layer(L: LayerBuild):
     L.expect(3, 1)
     a, x, y_in = L.bottoms

@@ -68,7 +68,7 @@ def _label_count(L: LayerBuild, axis: int) -> None:
             f"(one per position; class values in 0..{x.shape[axis] - 1})")
 
 
-@register("Softmax")
+@register("Softmax", export="softmax")
 def softmax(L: LayerBuild):
     L.expect(1, 1)
     x = L.bottom(0)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from purine.caffe.facts import DEPLOY
 from purine.caffe.layer import LayerBuild, Settler, register
+from purine.caffe.layers.ssd import SSD
 from purine.data import DataError, db, prefetch
 from purine.data.annotated import AnnotatedBatches, AnnotatedTransform, parse_annotated
 from purine.data.datum import show_key
@@ -66,7 +68,8 @@ def _multibox_params(L: LayerBuild) -> dict:
         conf_loss_type=_MB.ConfLossType.Name(p.conf_loss_type), normalization=norm)
 
 
-@register("MultiBoxLoss")
+@register("MultiBoxLoss", fork=SSD, train_only="a training layer (prior matching, "
+          "hard-negative mining and the loss)" + DEPLOY)
 def multibox_loss(L: LayerBuild):
     if not L.param.top:  # Caffe's AutoTopBlobs for a loss layer
         L.param.top.append("(automatic)" if "(automatic)" not in L.net.data
@@ -150,7 +153,8 @@ def _add_forward(L: LayerBuild, shapes: list[tuple[int, ...]], source: Prefetche
     L.settles(_BatchShapes(source))
 
 
-@register("AnnotatedData")
+@register("AnnotatedData", fork=SSD, train_only="a training layer (reads AnnotatedDatum "
+          "LMDBs and samples crops); export a deploy prototxt whose inputs are Input layers")
 def annotated_data_layer(L: LayerBuild):
     L.expect(0, (1, 2))
     source = L.kept("cursor")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from purine.caffe.facts import CHANNELS
 from purine.caffe.layer import LayerBuild, register
 from purine.formats import caffe_pb2 as pb
 from purine.graph import Blob
@@ -32,7 +33,7 @@ def _unary(L: LayerBuild, forward: Callable[..., None], backward: Callable[..., 
     return build_backward
 
 
-@register("ReLU")
+@register("ReLU", split=CHANNELS, export="relu")
 def relu(L: LayerBuild):
     x, _ = _neuron(L)
     slope = L.param.relu_param.negative_slope
@@ -44,7 +45,7 @@ def relu(L: LayerBuild):
     return _unary(L, act.relu_forward, act.relu_backward, x, [y], [sign], negative_slope=slope)
 
 
-@register("PReLU")
+@register("PReLU", export="prelu")
 def prelu(L: LayerBuild):
     x, _ = _neuron(L)
     p = L.param.prelu_param
@@ -69,21 +70,21 @@ def prelu(L: LayerBuild):
     return backward
 
 
-@register("Sigmoid")
+@register("Sigmoid", split=CHANNELS, export="sigmoid")
 def sigmoid(L: LayerBuild):
     x, _ = _neuron(L)
     y = L.top(0, x.shape)
     return _unary(L, act.sigmoid_forward, act.sigmoid_backward, x, [y], [y])
 
 
-@register("TanH")
+@register("TanH", split=CHANNELS, export="tanh")
 def tanh(L: LayerBuild):
     x, _ = _neuron(L)
     y = L.top(0, x.shape)
     return _unary(L, act.tanh_forward, act.tanh_backward, x, [y], [y])
 
 
-@register("ELU")
+@register("ELU", split=CHANNELS, export="elu")
 def elu(L: LayerBuild):
     x, _ = _neuron(L)
     alpha = L.param.elu_param.alpha
@@ -122,7 +123,7 @@ def clip(L: LayerBuild):
     return _unary(L, act.clip_forward, act.clip_backward, x, [y], [src], **k)
 
 
-@register("AbsVal")
+@register("AbsVal", split=CHANNELS)
 def absval(L: LayerBuild):
     x, in_place = _neuron(L)
     if in_place:
@@ -131,7 +132,7 @@ def absval(L: LayerBuild):
     return _unary(L, act.absval_forward, act.absval_backward, x, [y], [x])
 
 
-@register("BNLL")
+@register("BNLL", split=CHANNELS)
 def bnll(L: LayerBuild):
     x, _ = _neuron(L)
     src = L.saved(0)
@@ -139,7 +140,7 @@ def bnll(L: LayerBuild):
     return _unary(L, act.bnll_forward, act.bnll_backward, x, [y], [src])
 
 
-@register("Threshold")
+@register("Threshold", split=CHANNELS)
 def threshold(L: LayerBuild):
     x, _ = _neuron(L)
     y = L.top(0, x.shape)
@@ -153,7 +154,7 @@ def threshold(L: LayerBuild):
     return backward
 
 
-@register("Power")
+@register("Power", split=CHANNELS)
 def power(L: LayerBuild):
     x, in_place = _neuron(L)
     p = L.param.power_param
@@ -188,7 +189,7 @@ def _ln_base(L: LayerBuild, what: str, base: float) -> float:
     return ln
 
 
-@register("Exp")
+@register("Exp", split=CHANNELS)
 def exp(L: LayerBuild):
     x, _ = _neuron(L)
     p = L.param.exp_param
@@ -207,7 +208,7 @@ def exp(L: LayerBuild):
     return backward
 
 
-@register("Log")
+@register("Log", split=CHANNELS)
 def log(L: LayerBuild):
     x, _ = _neuron(L)
     p = L.param.log_param
@@ -221,7 +222,7 @@ def log(L: LayerBuild):
     return _unary(L, act.log_forward, act.log_backward, x, [y], [src], **k)
 
 
-@register("Dropout")
+@register("Dropout", split=CHANNELS, export="dropout")
 def dropout(L: LayerBuild):
     x, in_place = _neuron(L)
     ratio = L.param.dropout_param.dropout_ratio

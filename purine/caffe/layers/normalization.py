@@ -15,7 +15,7 @@ from purine.ops import normalization as norm
 from purine.ops import tensor
 
 
-@register("BatchNorm")
+@register("BatchNorm", export="batch_norm", replicates=False)
 def batch_norm(L: LayerBuild):
     L.expect(1, 1)
     p = L.param.batch_norm_param
@@ -111,7 +111,7 @@ def _broadcast(L: LayerBuild, x: Blob, axis: int, shape: tuple[int, ...], what: 
             "inner": math.prod(x.shape[axis + len(shape):])}
 
 
-@register("Scale")
+@register("Scale", export="scale")
 def scale(L: LayerBuild):
     L.expect((1, 2), 1)
     p = L.param.scale_param
@@ -152,7 +152,7 @@ def scale(L: LayerBuild):
     return backward
 
 
-@register("Bias")
+@register("Bias", export="bias")
 def bias(L: LayerBuild):
     L.expect((1, 2), 1)
     p = L.param.bias_param

@@ -4,12 +4,14 @@ runs it (py-faster-rcnn's Python layer made native; inference only)."""
 
 from __future__ import annotations
 
+from purine.caffe.facts import DEPLOY
 from purine.caffe.layer import LayerBuild, register
 from purine.caffe.layers.loss import _loss_layer
 from purine.graph import Blob
 from purine.ops import roi, tensor
 
 # py-faster-rcnn's anchors when the prototxt lists none (OpenCV requires them).
+FAST_RCNN = "Fast R-CNN, rbgirshick/caffe-fast-rcnn"  # the fork of ROIPooling, SmoothL1Loss
 DEFAULT_RATIOS = (0.5, 1.0, 2.0)
 DEFAULT_SCALES = (8.0, 16.0, 32.0)
 
@@ -39,7 +41,7 @@ def _no_gradient(L: LayerBuild, bottoms: range | tuple[int, ...]) -> None:
                        value=0.0)
 
 
-@register("ROIPooling")
+@register("ROIPooling", fork=FAST_RCNN, export="roi_pooling")
 def roi_pooling(L: LayerBuild):
     L.expect(2, 1)
     x, rois = _features(L), _rois(L)
@@ -62,7 +64,7 @@ def roi_pooling(L: LayerBuild):
     return backward
 
 
-@register("PSROIPooling")
+@register("PSROIPooling", fork="R-FCN, daijifeng001/caffe-rfcn")
 def psroi_pooling(L: LayerBuild):
     L.expect(2, 1)
     x, rois = _features(L), _rois(L)
@@ -91,7 +93,8 @@ def psroi_pooling(L: LayerBuild):
     return backward
 
 
-@register("SmoothL1Loss")
+@register("SmoothL1Loss", fork=FAST_RCNN,
+          train_only="a training layer (the box regression loss)" + DEPLOY)
 def smooth_l1_loss(L: LayerBuild):
     _loss_layer(L, bottoms=(2, 4))
     if len(L.bottoms) == 3:
@@ -120,7 +123,7 @@ def smooth_l1_loss(L: LayerBuild):
     return backward
 
 
-@register("Proposal")
+@register("Proposal", fork="Faster R-CNN's Python layer as OpenCV's Caffe importer runs it")
 def proposal(L: LayerBuild):
     L.expect(3, (1, 2))
     scores, deltas, info = L.bottoms

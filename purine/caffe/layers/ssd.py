@@ -13,13 +13,15 @@ from purine.graph import Blob
 from purine.ops import detection as det
 from purine.ops import tensor
 
+SSD = "SSD, weiliu89/caffe"  # the fork these layers come from
+
 
 def _legacy(x: Blob, i: int) -> int:
     """Caffe's num / channels / height / width of a blob of up to four axes."""
     return x.shape[i] if i < len(x.shape) else 1
 
 
-@register("Normalize")
+@register("Normalize", fork=SSD, export="normalize")
 def normalize(L: LayerBuild):
     L.expect(1, 1)
     p = L.param.norm_param
@@ -50,7 +52,7 @@ def normalize(L: LayerBuild):
     return backward
 
 
-@register("Permute")
+@register("Permute", fork=SSD, export="permute")
 def permute(L: LayerBuild):
     L.expect(1, 1)
     x = L.bottom(0)
@@ -91,7 +93,7 @@ def _positive(L: LayerBuild, name: str, value: float) -> float:
     return value
 
 
-@register("PriorBox")
+@register("PriorBox", fork=SSD, export="prior_box")
 def prior_box(L: LayerBuild):
     L.expect((1, 2), 1)
     p = L.param.prior_box_param
@@ -157,7 +159,7 @@ class _Detections(Settler):
         return ((1, 1, rows.shape[0], 7),)
 
 
-@register("DetectionOutput")
+@register("DetectionOutput", fork=SSD)
 def detection_output(L: LayerBuild):
     L.expect((3, 4), 1)
     p = L.param.detection_output_param

@@ -7,12 +7,97 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from purine.caffe.facts import CHANNELS, SplitRefused, TowerSplit
 from purine.caffe.layer import LayerBuild, register
 from purine.caffe.layers.common import canonical_axis
 from purine.formats import caffe_pb2 as pb
 from purine.graph import Blob
 from purine.ops import array as arr
 from purine.ops import conv, im2col, lrn, pooling, tensor
+
+
+# -- facts: tower splits and Caffe's drawing (purine.caffe.facts) ----------------------------
+def conv_towers(lp: pb.LayerParameter, n: int) -> TowerSplit:
+    """A Convolution in ``n`` towers: each takes its share of the groups where ``group`` is a
+    multiple of ``n``, else (group 1) computes num_output/n outputs from every channel."""
+    p = lp.convolution_param
+    if p.axis != 1:
+        raise SplitRefused(f"its channel axis is {p.axis}; towers split axis 1")
+    if p.num_output % n:
+        raise SplitRefused(f"num_output {p.num_output} is not a multiple of {n}")
+    axes = (0, 0) if p.bias_term else (0,)
+    if p.group % n and p.group != 1:
+        raise SplitRefused(f"group {p.group} is neither a multiple of {n} (each tower takes "
+                           "its share of the groups) nor 1 (each tower sees every channel)")
+    group = p.group // n if p.group % n == 0 else 1
+
+    def tower(t: pb.LayerParameter) -> None:
+        t.convolution_param.num_output //= n
+        t.convolution_param.group = group
+
+    return TowerSplit(p.group % n == 0, axes, tower)
+
+
+def lrn_towers(lp: pb.LayerParameter, n: int) -> TowerSplit:
+    """LRN within channels splits as a per-channel layer; across channels it does not."""
+    if lp.lrn_param.norm_region == pb.LRNParameter.ACROSS_CHANNELS:
+        raise SplitRefused("LRN across channels mixes neighbouring channels of two towers; "
+                           "leave it whole (or use norm_region: WITHIN_CHANNEL)")
+    return TowerSplit(True)
+
+
+def _x(values: list[int]) -> str:
+    return "x".join(map(str, values))
+
+
+def _size(values: list[int]) -> str:
+    # One number when every axis agrees (Caffe's draw_net label), "HxW" when they differ.
+    return str(values[0]) if len(set(values)) <= 1 else _x(values)
+
+
+def conv_label(lp: pb.LayerParameter) -> list[str]:
+    """The layer view's lines under a convolution's name: window, num_output, group."""
+    p = lp.convolution_param
+    k = list(p.kernel_size) or [p.kernel_h, p.kernel_w]
+    s = list(p.stride) or ([p.stride_h, p.stride_w] if p.HasField("stride_h") else [1])
+    pad = list(p.pad) or ([p.pad_h, p.pad_w] if p.HasField("pad_h") else [0])
+    return [f"kernel {_x(k)}, stride {_x(s)}, pad {_x(pad)}",
+            f"num_output {p.num_output}" + (f", group {p.group}" if p.group > 1 else "")]
+
+
+def conv_window(lp: pb.LayerParameter) -> tuple[str, str, str]:
+    """pycaffe draw's kernel, stride and pad of a convolution, as the layer uses them."""
+    p = lp.convolution_param
+    kernel = list(p.kernel_size) or ([p.kernel_h, p.kernel_w] if p.HasField("kernel_h")
+                                     else [1])
+    stride = list(p.stride) or ([p.stride_h, p.stride_w] if p.HasField("stride_h") else [1])
+    pad = list(p.pad) or ([p.pad_h, p.pad_w] if p.HasField("pad_h") else [0])
+    return _size(kernel), _size(stride), _size(pad)
+
+
+def pool_label(lp: pb.LayerParameter) -> list[str]:
+    p = lp.pooling_param
+    method = pb.PoolingParameter.PoolMethod.Name(p.pool)
+    if p.global_pooling:
+        return [f"{method}, global"]
+    k = p.kernel_size if p.HasField("kernel_size") else f"{p.kernel_h}x{p.kernel_w}"
+    s = p.stride if not p.HasField("stride_h") else f"{p.stride_h}x{p.stride_w}"
+    return [f"{method} {k}, stride {s}, pad {p.pad}"]
+
+
+def pool_window(lp: pb.LayerParameter) -> tuple[str, str, str]:
+    p = lp.pooling_param
+    kernel = "global" if p.global_pooling else _size(
+        [p.kernel_h, p.kernel_w] if p.HasField("kernel_h") else [p.kernel_size])
+    stride = [p.stride_h, p.stride_w] if p.HasField("stride_h") else [p.stride]
+    pad = [p.pad_h, p.pad_w] if p.HasField("pad_h") else [p.pad]
+    return kernel, _size(stride), _size(pad)
+
+
+# What every convolution type (Caffe's two, the MobileNet ports' depthwise) declares.
+CONVOLUTION_FACTS = {"export": "convolution", "colour": "#FF5050", "label": conv_label,
+                     "window": conv_window,
+                     "num_output": lambda lp: lp.convolution_param.num_output}
 
 
 def _no_in_place(L: LayerBuild) -> None:
@@ -121,7 +206,8 @@ def _conv_setup(L: LayerBuild, deconv: bool) -> tuple[conv.ConvGeometry, tuple[i
     return geom, weight, top
 
 
-@register("Convolution", "Deconvolution")
+@register("Convolution", split=conv_towers, **CONVOLUTION_FACTS)
+@register("Deconvolution", **CONVOLUTION_FACTS)
 def convolution(L: LayerBuild):
     # Deconvolution is Caffe's transposed convolution: its forward is the convolution's
     # backward-data and its backward-data the convolution's forward, with the weight
@@ -224,7 +310,8 @@ def _four_axes(L: LayerBuild) -> Blob:
     return x
 
 
-@register("Pooling")
+@register("Pooling", split=CHANNELS, export="pooling", colour="#FF9900", label=pool_label,
+          window=pool_window)
 def pooling_layer(L: LayerBuild):
     p = L.param.pooling_param
     is_max = p.pool == pb.PoolingParameter.MAX
@@ -365,7 +452,7 @@ def im2col_layer(L: LayerBuild):
     return backward
 
 
-@register("LRN")
+@register("LRN", split=lrn_towers, export="lrn")
 def lrn_layer(L: LayerBuild):
     L.expect(1, 1)
     p = L.param.lrn_param
