@@ -242,18 +242,21 @@ def test_timer_measures_from_start_to_stop():
     assert 45 <= first == t.ms < 1000  # stopped: no longer moving
 
 
-def test_init_log_and_log(capsys, monkeypatch):
+def test_init_log_and_log(capsys):
     log = logging.getLogger("purine")
-    monkeypatch.setattr(log, "level", log.level)
-    caffe.init_log()
-    caffe.log("hello from pycaffe")
-    err = capsys.readouterr().err
-    assert err.startswith("I") and err.rstrip().endswith("] hello from pycaffe")
-    caffe.init_log(1)  # WARNING and above
-    caffe.log("quiet")
-    assert capsys.readouterr().err == ""
-    with pytest.raises(ValueError, match="level must be 0 .INFO. to 3 .FATAL., got 7"):
-        caffe.init_log(7)
+    level = log.level
+    try:
+        caffe.init_log()
+        caffe.log("hello from pycaffe")
+        err = capsys.readouterr().err
+        assert err.startswith("I") and err.rstrip().endswith("] hello from pycaffe")
+        caffe.init_log(1)  # WARNING and above
+        caffe.log("quiet")
+        assert capsys.readouterr().err == ""
+        with pytest.raises(ValueError, match="level must be 0 .INFO. to 3 .FATAL., got 7"):
+            caffe.init_log(7)
+    finally:
+        log.setLevel(level)  # setLevel, not the attribute: the logger caches its decision
 
 
 def test_solver_count_rank_and_multiprocess(monkeypatch):
