@@ -274,6 +274,7 @@ def test_the_cli_prints_a_python_layers_exception_as_one_line(tmp_path, monkeypa
     mod = write_layers(tmp_path, monkeypatch)
     net = build(input_layer("x", 2, 2) + python_layer("py", mod, "Broken", ("x",), ("y",),
                                                       "forward"))
+    capsys.readouterr()  # the net's set-up log, where the log is on
     assert run_reporting("purine-caffe test", lambda: net.forward() and 0) == 1
     assert capsys.readouterr().err == (
         f"purine-caffe test: Python layer 'py' ({mod}.Broken.forward) raised ValueError: "
