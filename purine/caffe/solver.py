@@ -18,47 +18,40 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from purine.backend import assign, is_device_array, one_blas_thread, to_host
 from purine.caffe.net import TEST, TRAIN, Net, NetBuilder, close_all
-from purine.caffe.private_state import (  # PRIVATE_STATE_FIELD: also imported from here
-    PRIVATE_STATE_FIELD,
-    field_where,
-    h5_where,
-    parse_private,
-    private_fields,
-    state_problem,
-)
 from purine.caffe.setup_log import debug_string
+from purine.caffe.update import TrainOps, build_update, lr_params
 from purine.errors import ProtoError, PurineError
 from purine.formats import caffe_pb2 as pb
-from purine.formats.caffemodel import (
-    Chunks,
-    atomic_write,
-    blob_chunks,
-    blob_to_array,
-    nested_field,
-    stale_temporaries,
-)
+from purine.formats.caffemodel import Chunks, atomic_write, stale_temporaries
 from purine.formats.hdf5_snapshot import (
     INSTALL_HINT,
     SolverStateH5,
     have_h5py,
-    read_private,
     read_state,
     write_state,
 )
 from purine.formats.prototxt import parse_text, read_message, read_net
+from purine.formats.solverstate import PRIVATE_STATE_FIELD as PRIVATE_STATE_FIELD  # re-exported
+from purine.formats.solverstate import (
+    encode_solverstate,
+    field_where,
+    h5_where,
+    history_array,
+    parse_private,
+    read_solverstate,
+    state_problem,
+)
+from purine.formats.solverstate import snapshot_seed as snapshot_seed  # re-exported
 from purine.formats.upgrade import upgrade_solver
-from purine.formats.wire import len_field
-from purine.graph import CPU, Blob, Location, Op, Stateful, kernel
+from purine.graph import CPU, Blob, Location, Op, Stateful
 from purine.log import get_logger
 from purine.ops import solver as so
-from purine.ops import tensor
 from purine.runtime import Dispatcher
 
 
@@ -79,35 +72,19 @@ def read_solver(source: str | os.PathLike | pb.SolverParameter) -> pb.SolverPara
     where = "solver " + (os.fspath(source) if isinstance(source, str | os.PathLike)
                          and "\n" not in os.fspath(source) else "(prototxt text)")
     param = upgrade_solver(param, where)
-    if param.type not in so.SOLVERS:
+    kind = so.SOLVER_TYPES.get(param.type)
+    if kind is None:
         raise ProtoError(f"{where}: unknown type '{param.type}'; expected one of "
-                         + ", ".join(so.SOLVERS))
+                         + ", ".join(so.SOLVER_TYPES))
     if param.iter_size < 1:
         raise ProtoError(f"{where}: iter_size must be at least 1, got {param.iter_size}")
-    if param.type in ("AdaGrad", "RMSProp") and param.momentum != 0:
+    reads = {f for _, f in kind.reads}
+    if "momentum" not in reads and param.momentum != 0:
         raise ProtoError(f"{where}: momentum cannot be used with {param.type} (Caffe refuses "
                          f"it too); remove momentum: {param.momentum:g}")
-    if param.type == "RMSProp" and not 0 <= param.rms_decay < 1:
+    if "rms_decay" in reads and not 0 <= param.rms_decay < 1:
         raise ProtoError(f"{where}: rms_decay must be in [0, 1), got {param.rms_decay:g}")
     return param
-
-
-def snapshot_seed(path: str | os.PathLike) -> int | None:
-    """The random seed a .solverstate of ours was trained with (None for Caffe's), so a
-    run with ``random_seed`` unset can resume with the same random streams. A private state
-    that breaks its schema is an error naming the file."""
-    path = os.fspath(path)
-    if path.endswith(".h5"):
-        payload = read_private(path)
-        return None if payload is None else parse_private(payload, h5_where(path))["seed"]
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return None  # restore() reports the file
-    for payload in private_fields(data, path):
-        return parse_private(payload, field_where(path))["seed"]
-    return None
 
 
 def _resolve(path: str, base: str) -> str:
@@ -117,28 +94,6 @@ def _resolve(path: str, base: str) -> str:
         return path
     alt = os.path.join(base, path)
     return alt if os.path.exists(alt) else path
-
-
-@dataclass
-class _ParamUpdate:
-    param: Blob
-    grad: Blob
-    history: list[Blob] = field(default_factory=list)
-
-
-@dataclass
-class _TrainOps:
-    """What the solver adds to one build of the train net (a build per set of shapes): the
-    iteration and rate blobs, the parameters' updates, and the ops. The blobs of all builds
-    share their storage by name, so history, accumulated gradients and the iteration carry
-    over whichever build runs."""
-
-    it: Blob
-    lr: Blob
-    updates: list[_ParamUpdate]
-    zero_ops: list[Op]
-    accumulate_ops: list[Op]
-    update_ops: list[Op]
 
 
 class Scheme:
@@ -477,7 +432,7 @@ class Solver:
 
     # The update of the train net's current build (the latest whole one, where the current
     # stops short of a layer still to settle its shapes).
-    def _train(self) -> _TrainOps:
+    def _train(self) -> TrainOps:
         b = self.net.builder
         return b.train if b.full else self.net.whole.train
 
@@ -488,125 +443,16 @@ class Solver:
     accumulate_ops = property(lambda self: self._train().accumulate_ops)
     update_ops = property(lambda self: self._train().update_ops)
 
-    def _build_update(self, b: NetBuilder) -> _TrainOps:
-        """The update subgraph. Each parameter's update ops run where the parameter lives:
-        at the scheme's server in the server's memory space, else at the parameter's own
-        location (model parallelism). The iteration and rate blobs live once, at the server;
-        a Copy op per other memory space feeds them there each iteration (two scalars: one
-        counter to snapshot and restore, and no second rate computation to keep in step).
-        Gradient clipping sums squares per memory space and sends the sums home."""
-        p, g = self.param, b.graph
+    def _build_update(self, b: NetBuilder) -> TrainOps:
+        """The update subgraph of build ``b`` (purine.caffe.update), at the scheme's server,
+        else at the net's location (on a worker of its own with ``update_worker``)."""
         loc = self.scheme.server or b.location
         if self.update_worker and not self.scheme.server:
             loc = Location(loc.device, loc.index, b.threads, loc.host)
-        it_blob = g.blob("solver/iter", (), "float64", loc)
-        lr_blob = g.blob("solver/lr", (), "float64", loc)
-        ops: list[Op] = []
-
-        def op(name: str, fn, ins, outs, at: Location = loc, **params) -> Op:
-            kind = "Copy" if fn is tensor.copy else fn.__name__  # the engine's Copy op
-            o = g.op(f"solver/{name}", kind, ins, outs, kernel(fn, **params), at)
-            ops.append(o)
-            return o
-
-        def where(w: Blob) -> Location:
-            return loc if w.location.memory == loc.memory else w.location
-
-        def space(at: Location) -> str:
-            return "" if at.memory == loc.memory else "@" + str(at).rsplit("/t", 1)[0]
-
-        op("lr", so.learning_rate, [it_blob], [lr_blob], **self._lr_params())
-        kernel_fn, n_hist = so.SOLVERS[p.type]
-        updates: list[_ParamUpdate] = []
-        for w in b.learnable_params:
-            u = _ParamUpdate(w, b.param_grad(w))
-            u.history = [g.blob(f"solver/{w.name}@history{k}", w.shape, w.dtype, where(w))
-                         for k in range(n_hist)]
-            updates.append(u)
-        active = [u for u in updates if u.param.meta["lr_mult"] != 0]
-        remote: dict[tuple, Location] = {}  # other memory spaces with active parameters
-        for u in active:
-            if space(where(u.param)):
-                remote.setdefault(where(u.param).memory, where(u.param))
-
-        def feed(blob: Blob) -> dict[tuple, Blob]:
-            """``blob`` (at the server) and a copy of it in each other memory space."""
-            out = {loc.memory: blob}
-            for key, at in remote.items():
-                out[key] = g.blob(f"{blob.name}{space(at)}", blob.shape, blob.dtype, at)
-                op(f"{blob.name.removeprefix('solver/')}{space(at)}", tensor.copy, [blob],
-                   [out[key]], at=at)
-            return out
-
-        lr = feed(lr_blob)
-        it = feed(it_blob) if p.type == "Adam" else {}
-
-        # iter_size > 1: gradients are summed into accumulators over the passes.
-        zero_ops: list[Op] = []
-        accumulate_ops: list[Op] = []
-        grads = {u.param: u.grad for u in active}
-        if p.iter_size > 1:
-            for u in active:
-                at = where(u.param)
-                acc = g.blob(f"solver/{u.param.name}@accumulated", u.param.shape,
-                             u.param.dtype, at)
-                zero_ops.append(g.op(f"solver/{u.param.name}/zero", "Fill", [], [acc],
-                                     kernel(tensor.fill, value=0.0), at))
-                accumulate_ops.append(g.op(
-                    f"solver/{u.param.name}/accumulate", "Accumulate", [u.grad, acc], [acc],
-                    kernel(tensor.accumulate), at))
-                grads[u.param] = acc
-        scale = g.blob("solver/clip_scale", (), "float64", loc)
-        if p.clip_gradients >= 0:
-            sums = []  # each other memory space's sum of squares, sent to the server
-            for key, at in remote.items():
-                here = [grads[u.param] for u in active if where(u.param).memory == key]
-                part = g.blob(f"solver/clip_sumsq{space(at)}", (), here[0].dtype, at)
-                home = g.blob(f"solver/clip_sumsq{space(at)}@home", (), here[0].dtype, loc)
-                op(f"clip_sumsq{space(at)}", so.sum_of_squares, here, [part], at=at)
-                op(f"clip_sumsq{space(at)}@home", tensor.copy, [part], [home])
-                sums.append(home)
-            op("clip", so.gradient_scale, [grads[u.param] for u in active
-                                           if not space(where(u.param))] + sums, [scale],
-               clip=p.clip_gradients, partials=len(sums))
-        else:
-            op("clip", tensor.fill, [], [scale], value=1.0)
-        scales = {loc.memory: scale}
-        for key, at in remote.items():  # the factor, or 1 where nothing clips
-            scales[key] = g.blob(f"solver/clip_scale{space(at)}", (), "float64", at)
-            if p.clip_gradients >= 0:
-                op(f"clip_scale{space(at)}", tensor.copy, [scale], [scales[key]], at=at)
-            else:
-                op(f"clip{space(at)}", tensor.fill, [], [scales[key]], at=at, value=1.0)
-        reg = p.regularization_type
-        for u in active:
-            w, gr, at = u.param, grads[u.param], where(u.param)
-            m = at.memory
-            op(f"{w.name}/prepare", so.prepare_gradient, [w, gr, scales[m]], [gr], at=at,
-               iter_size=p.iter_size, decay=p.weight_decay * w.meta["decay_mult"],
-               regularization=reg)
-            ins = [gr, lr[m]] + ([it[m]] if p.type == "Adam" else []) + [w] + u.history
-            op(f"{w.name}/update", kernel_fn, ins, [w] + u.history, at=at,
-               lr_mult=w.meta["lr_mult"], **self._rule_params())
-        op("next_iter", tensor.add_scalar, [it_blob], [it_blob], value=1.0)
-        return _TrainOps(it_blob, lr_blob, updates, zero_ops, accumulate_ops, ops)
+        return build_update(b.graph, b.learnable_params, b.param_grad, self.param, loc)
 
     def _lr_params(self) -> dict:
-        p = self.param
-        return dict(policy=p.lr_policy, base_lr=p.base_lr, gamma=p.gamma, power=p.power,
-                    stepsize=p.stepsize, stepvalues=tuple(p.stepvalue), max_iter=p.max_iter)
-
-    def _rule_params(self) -> dict:
-        p = self.param
-        if p.type in ("SGD", "Nesterov"):
-            return dict(momentum=p.momentum)
-        if p.type == "AdaGrad":
-            return dict(delta=p.delta)
-        if p.type == "RMSProp":
-            return dict(rms_decay=p.rms_decay, delta=p.delta)
-        if p.type == "AdaDelta":
-            return dict(momentum=p.momentum, delta=p.delta)
-        return dict(beta1=p.momentum, beta2=p.momentum2, delta=p.delta)
+        return lr_params(self.param)
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -884,14 +730,10 @@ class Solver:
         return self.scheme.history_layout([u.param for u in self.updates])
 
     def encode_state(self, model_path: str, private: dict | None = None) -> Chunks:
-        head = pb.SolverState(iter=self.iter, learned_net=model_path,
-                              current_step=self._current_step()).SerializeToString()
-        parts: Chunks = [head]
-        for a in self._history_arrays():
-            parts += nested_field(3, blob_chunks(a))
+        """This solver's binary .solverstate naming ``model_path`` as its learned net."""
         private = self._private_state() if private is None else private
-        parts += len_field(PRIVATE_STATE_FIELD, json.dumps(private).encode())
-        return parts
+        return encode_solverstate(self.iter, model_path, self._current_step(),
+                                  self._history_arrays(), private)
 
     def _private_state(self) -> dict:
         """What Caffe's SolverState has no field for: the train net's run-time state (how
@@ -982,23 +824,14 @@ class Solver:
             self._restore_hdf5(path)
             return
         path = os.fspath(path)
-        state = read_message(path, pb.SolverState())
-        with open(path, "rb") as f:
-            payloads = private_fields(f.read(), path)
+        state, payloads = read_solverstate(path)
         where = field_where(path)
         plans = [self._private_plan(payload, where) for payload in payloads]
         for plan in plans:
             self._restore_plan(plan, where)
 
         def fit(k: int, blob: pb.BlobProto, h: Blob) -> np.ndarray:
-            try:
-                a = blob_to_array(blob)  # Caffe's blob may be in the legacy 4-d shape
-            except ProtoError as e:
-                raise ProtoError(f"{path}: history blob {k}: {e}") from None
-            if a.size != h.count:
-                raise PurineError(f"{path}: history blob {k} has {a.size} values, "
-                                  f"parameter '{h.name}' needs {h.count}")
-            return a.reshape(h.shape)
+            return history_array(path, k, blob, h.name, h.count).reshape(h.shape)
 
         self._restore_history(path, state.iter, state.learned_net, state.history, "blobs", fit)
 

@@ -1,6 +1,6 @@
 """Solver kernels: Caffe's learning-rate policies, gradient clipping, Normalize + Regularize,
 and one update kernel per SGD-family solver (ComputeUpdateValue followed by Net::Update).
-The solver graph (which blobs feed which op, per parameter) is wired in purine/caffe/solver.py.
+The solver graph (which blobs feed which op, per parameter) is wired in purine/caffe/update.py.
 
 Scalars (``lr``, ``it``, the clipping ``scale``) are 0-d arrays so they stay on the device.
 Update kernels take the parameter and its histories both as inputs and as outputs; the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -470,17 +471,43 @@ def _update(name: str, g: Array, lr: Array, state: tuple, state_out: tuple,
     _fused(name)(g, scalar_arg(lr), *args, *state_out)
 
 
-SOLVERS: dict[str, tuple[Callable[..., None], int]] = {
-    "SGD": (sgd_update, 1),
-    "Nesterov": (nesterov_update, 1),
-    "AdaGrad": (adagrad_update, 1),
-    "RMSProp": (rmsprop_update, 1),
-    "AdaDelta": (adadelta_update, 2),
-    "Adam": (adam_update, 2),
-}
-"""Caffe's solver type string -> (update kernel, history blobs per parameter). Every kernel
-takes (g, lr, w, *histories, w_out, *histories_out); Adam also takes ``it`` after ``lr``."""
+@dataclass(frozen=True)
+class SolverType:
+    """One SGD-family solver, declared once: the solver graph, the settings checks, pycaffe's
+    ``<name>Solver`` class and the tests read this. ``update`` takes (g, lr, [it,] w,
+    *histories, w_out, *histories_out, lr_mult=..., **keywords); its GPU body runs the fused
+    kernel ``FUSED[fused]``. ``reads`` maps each keyword to the SolverParameter field it
+    takes; a rule that does not read ``momentum`` refuses one (Caffe's AdaGrad and RMSProp)."""
 
-SOLVER_TYPE_NAMES: dict[int, str] = {
-    0: "SGD", 1: "Nesterov", 2: "AdaGrad", 3: "RMSProp", 4: "AdaDelta", 5: "Adam"}
-"""The deprecated SolverParameter.solver_type enum -> the ``type`` string."""
+    name: str                      # Caffe's ``type`` string
+    update: Callable[..., None]
+    fused: str
+    histories: int                 # history blobs per parameter, in a solverstate's order
+    reads: tuple[tuple[str, str], ...]
+    reads_iter: bool = False       # the update also reads the iteration (Adam's correction)
+
+    def keywords(self, param: Any) -> dict[str, float]:
+        """The rule's keywords from a SolverParameter (any object with its fields)."""
+        return {k: getattr(param, f) for k, f in self.reads}
+
+
+# The V0 ``solver_type`` enum is a closed fact of Caffe's file format (a new solver gets no
+# enum value), so its names stay with the upgrade in purine/formats/upgrade.py, which sits
+# below this package and cannot read this table; a test keeps the two in agreement.
+SOLVER_TYPES: dict[str, SolverType] = {t.name: t for t in (
+    SolverType("SGD", sgd_update, "sgd", 1, (("momentum", "momentum"),)),
+    SolverType("Nesterov", nesterov_update, "nesterov", 1, (("momentum", "momentum"),)),
+    SolverType("AdaGrad", adagrad_update, "adagrad", 1, (("delta", "delta"),)),
+    SolverType("RMSProp", rmsprop_update, "rmsprop", 1,
+               (("rms_decay", "rms_decay"), ("delta", "delta"))),
+    SolverType("AdaDelta", adadelta_update, "adadelta", 2,
+               (("momentum", "momentum"), ("delta", "delta"))),
+    SolverType("Adam", adam_update, "adam", 2,
+               (("beta1", "momentum"), ("beta2", "momentum2"), ("delta", "delta")),
+               reads_iter=True),
+)}
+"""Caffe's solver type string -> its SolverType."""
+
+SOLVERS: dict[str, tuple[Callable[..., None], int]] = {
+    k: (t.update, t.histories) for k, t in SOLVER_TYPES.items()}
+"""A view of SOLVER_TYPES: type string -> (update kernel, history blobs per parameter)."""

@@ -1,7 +1,7 @@
 """Model parallelism in training: the solver's nets are built from the placed net (layers
 split into towers, each layer at its location; purine.parallel.placement), the update ops
-of each parameter run where the parameter lives (Solver._build_update), and every file the
-solver reads or writes is in the layout of the net the user gave: snapshots are the
+of each parameter run where the parameter lives (purine.caffe.update.build_update), and every
+file the solver reads or writes is in the layout of the net the user gave: snapshots are the
 unsplit net's .caffemodel and .solverstate, and fine-tuning weights are the unsplit net's.
 """
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from purine.caffe import solver as caffe_solver
+from purine.ops.solver import SOLVER_TYPES
 from purine.parallel import DataParallel
 from purine.pycaffe import mode
 from purine.pycaffe.mode import settings
@@ -46,32 +47,19 @@ class Solver(caffe_solver.Solver):
             Net.adopt(n)
 
 
-class SGDSolver(Solver):
-    solver_type = "SGD"
+def _solver_class(kind: str) -> type[Solver]:
+    """pycaffe's ``<type>Solver``: a Solver that forces that update rule, as Caffe's class
+    of the same name does."""
+    return type(f"{kind}Solver", (Solver,), {
+        "solver_type": kind, "__module__": __name__,
+        "__doc__": f"A solver that trains with the {kind} update rule, whatever the file's "
+                   "``type`` says."})
 
 
-class NesterovSolver(Solver):
-    solver_type = "Nesterov"
-
-
-class AdaGradSolver(Solver):
-    solver_type = "AdaGrad"
-
-
-class RMSPropSolver(Solver):
-    solver_type = "RMSProp"
-
-
-class AdaDeltaSolver(Solver):
-    solver_type = "AdaDelta"
-
-
-class AdamSolver(Solver):
-    solver_type = "Adam"
-
-
-_BY_TYPE = {c.solver_type: c for c in (SGDSolver, NesterovSolver, AdaGradSolver,
-                                       RMSPropSolver, AdaDeltaSolver, AdamSolver)}
+# One class per entry of purine.ops.solver.SOLVER_TYPES, named as Caffe's: SGDSolver,
+# NesterovSolver, AdaGradSolver, RMSPropSolver, AdaDeltaSolver, AdamSolver.
+_BY_TYPE: dict[str, type[Solver]] = {k: _solver_class(k) for k in SOLVER_TYPES}
+globals().update({c.__name__: c for c in _BY_TYPE.values()})
 
 
 def get_solver(path: str | os.PathLike) -> Solver:

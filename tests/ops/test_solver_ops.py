@@ -11,8 +11,10 @@ import pytest
 
 from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
+from purine.formats.upgrade import SOLVER_TYPE_NAMES
 from purine.ops.solver import (
-    SOLVER_TYPE_NAMES,
+    FUSED,
+    SOLVER_TYPES,
     SOLVERS,
     global_l2_norm,
     gradient_scale,
@@ -346,7 +348,26 @@ def test_unknown_regularization():
 def test_solver_tables():
     assert {k: n for k, (_, n) in SOLVERS.items()} == {
         "SGD": 1, "Nesterov": 1, "AdaGrad": 1, "RMSProp": 1, "AdaDelta": 2, "Adam": 2}
+    # the V0 enum (upgraded in purine.formats) names exactly the types of the real table,
+    # each as its name upper-cased, and covers every value of caffe.proto's enum
     enum = pb.SolverParameter.SolverType
-    assert {v: enum.Name(v) for v in SOLVER_TYPE_NAMES} == {
-        v: name.upper() for v, name in SOLVER_TYPE_NAMES.items()}
+    assert {enum.Name(v): name for v, name in SOLVER_TYPE_NAMES.items()} == {
+        "SGD": "SGD", "NESTEROV": "Nesterov", "ADAGRAD": "AdaGrad", "RMSPROP": "RMSProp",
+        "ADADELTA": "AdaDelta", "ADAM": "Adam"}
     assert sorted(SOLVER_TYPE_NAMES) == sorted(enum.values())
+    assert sorted(SOLVER_TYPE_NAMES.values()) == sorted(SOLVER_TYPES)
+    for name, t in SOLVER_TYPES.items():
+        assert t.name == name and SOLVERS[name] == (t.update, t.histories)
+        ins, outs, _ = FUSED[t.fused]  # the fused GPU form exists and updates every history
+        assert outs.count("T ") == 1 + t.histories
+        assert ("float64 it" in ins) == t.reads_iter
+        for keyword, fld in t.reads:  # every field the rule reads is a SolverParameter field
+            assert f"float64 {keyword}" in ins
+            assert fld in pb.SolverParameter.DESCRIPTOR.fields_by_name
+
+
+def test_rule_keywords_come_from_the_solver_fields():
+    p = pb.SolverParameter(momentum=0.5, momentum2=0.25, delta=0.125, rms_decay=0.75)
+    assert SOLVER_TYPES["Adam"].keywords(p) == {"beta1": 0.5, "beta2": 0.25, "delta": 0.125}
+    assert SOLVER_TYPES["RMSProp"].keywords(p) == {"rms_decay": 0.75, "delta": 0.125}
+    assert SOLVER_TYPES["SGD"].keywords(p) == {"momentum": 0.5}

@@ -1,15 +1,23 @@
-"""The private state of our solver snapshots: the JSON beside Caffe's SolverState fields (or in
-an HDF5 dataset) that keeps what Caffe's format has no field for (the seed, data cursors,
-random streams), and its schema, checked before anything is restored."""
+"""Solver snapshots as bytes (no net here: arrays and messages in, bytes out): the binary
+.solverstate (Caffe's SolverState fields, then our private state at an unused field number),
+and the private state's JSON and schema, checked before anything is restored. The HDF5 form
+is purine.formats.hdf5_snapshot."""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from purine.errors import ProtoError, PurineError
-from purine.formats.hdf5_snapshot import PRIVATE_DATASET
-from purine.formats.wire import length_fields
+from purine.formats import caffe_pb2 as pb
+from purine.formats.caffemodel import Chunks, blob_chunks, blob_to_array, nested_field
+from purine.formats.hdf5_snapshot import PRIVATE_DATASET, read_private
+from purine.formats.prototxt import read_message
+from purine.formats.wire import len_field, length_fields
 
 # A SolverState field number Caffe does not use: Caffe's reader keeps it as an unknown
 # field and ignores it, so our .solverstate files still load in Caffe.
@@ -107,4 +115,57 @@ def state_problem(want: Any, got: Any, at: str = "") -> str | None:
                 problem = None
             if problem:
                 return problem
+    return None
+
+
+# -- the binary .solverstate ------------------------------------------------------------------
+def encode_solverstate(iteration: int, learned_net: str, current_step: int,
+                       history: Iterable[np.ndarray], private: dict) -> Chunks:
+    """A binary SolverState: Caffe's fields (``history`` in Caffe's order) and the private
+    state, as chunks for atomic_write (a history array is not copied)."""
+    head = pb.SolverState(iter=iteration, learned_net=learned_net,
+                          current_step=current_step).SerializeToString()
+    parts: Chunks = [head]
+    for a in history:
+        parts += nested_field(3, blob_chunks(a))
+    parts += len_field(PRIVATE_STATE_FIELD, json.dumps(private).encode())
+    return parts
+
+
+def read_solverstate(path: str | os.PathLike) -> tuple[pb.SolverState, list[bytes]]:
+    """A binary SolverState's message and its private-state payloads (none in Caffe's)."""
+    path = os.fspath(path)
+    state = read_message(path, pb.SolverState())
+    with open(path, "rb") as f:
+        return state, private_fields(f.read(), path)
+
+
+def history_array(path: str, k: int, blob: pb.BlobProto, name: str, count: int) -> np.ndarray:
+    """History blob ``k`` of file ``path`` as an array, checked to hold the ``count`` values
+    of parameter ``name`` (Caffe's blob may be in the legacy 4-d shape)."""
+    try:
+        a = blob_to_array(blob)
+    except ProtoError as e:
+        raise ProtoError(f"{path}: history blob {k}: {e}") from None
+    if a.size != count:
+        raise PurineError(f"{path}: history blob {k} has {a.size} values, parameter "
+                          f"'{name}' needs {count}")
+    return a
+
+
+def snapshot_seed(path: str | os.PathLike) -> int | None:
+    """The random seed a .solverstate of ours was trained with (None for Caffe's), so a
+    run with ``random_seed`` unset can resume with the same random streams. A private state
+    that breaks its schema is an error naming the file."""
+    path = os.fspath(path)
+    if path.endswith(".h5"):
+        payload = read_private(path)
+        return None if payload is None else parse_private(payload, h5_where(path))["seed"]
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None  # the restore reports the file
+    for payload in private_fields(data, path):
+        return parse_private(payload, field_where(path))["seed"]
     return None
