@@ -1,8 +1,9 @@
 """oneDNN's CPU convolutions, MAX pooling and matrix products through its C API (ctypes),
 used by the float32 host bodies of ``purine.ops.conv``, ``purine.ops.pooling`` and
 ``purine.ops.inner_product`` when the optional ``onednn-cpu-gomp`` wheel is installed
-(``pip install "purine-caffe[onednn]"``); without it, or with ``PURINE_ONEDNN=0``, they run
-on numpy.
+(``pip install "purine-caffe[onednn]"``); without it, or with ``PURINE_ONEDNN=0`` (read once
+into ``SETTINGS``; ``use`` changes it), they run on numpy. While it is in use, OpenBLAS runs
+one thread (``use(False)`` and ``reset`` give its count back).
 
 Each convolution geometry gets its primitives once (descriptor creation costs milliseconds)
 on oneDNN's own blocked layouts; a call reorders its NCHW/OIHW operands into them and the
@@ -22,7 +23,7 @@ import importlib.metadata
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -537,14 +538,42 @@ class _MaxPool:
     starts: np.ndarray  # (pooled_h, pooled_w): plane index of each window's padded corner
 
 
+@dataclass
+class Settings:
+    """Whether the float32 CPU bodies may call oneDNN: ``PURINE_ONEDNN=0`` says no. Read once,
+    when this module loads, not on every convolution; ``use`` changes it afterwards."""
+
+    enabled: bool = True
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> Settings:
+        return cls(enabled=environ.get("PURINE_ONEDNN") != "0")
+
+
+SETTINGS = Settings.from_environ()
+# "dnnl": the loaded library (or None: not installed, failed); "blas_threads": present while
+# this module holds OpenBLAS at one thread, the count it had before (None: no OpenBLAS).
 _STATE: dict[str, Any] = {}
 _LOAD_LOCK = threading.Lock()
 
 
+def use(enabled: bool) -> bool:
+    """Turn oneDNN on or off from now on (tests and benches that compare it with numpy);
+    returns the setting before. Off, OpenBLAS gets back the thread count oneDNN's load took."""
+    with _LOAD_LOCK:
+        before, SETTINGS.enabled = SETTINGS.enabled, bool(enabled)
+        if not enabled:
+            _give_back_blas_threads()
+        elif _STATE.get("dnnl") is not None:
+            _take_blas_threads()
+    return before
+
+
 def get() -> Dnnl | None:
-    """The loaded oneDNN, or None: when ``PURINE_ONEDNN=0``, when no oneDNN CPU wheel is
-    installed, or when the installed one fails to load (said once in a warning)."""
-    if os.environ.get("PURINE_ONEDNN") == "0":
+    """The loaded oneDNN, or None: when it is turned off (``PURINE_ONEDNN=0``, ``use``), when
+    no oneDNN CPU wheel is installed, or when the installed one fails to load (said once in a
+    warning)."""
+    if not SETTINGS.enabled:
         return None
     try:
         return _STATE["dnnl"]
@@ -576,9 +605,21 @@ def _start() -> Dnnl | None:
     # quick, 1.26x to 0.85x on LeNet and 1.07x to 0.85x on AlexNet. InnerProduct's larger
     # products go to oneDNN for that reason; raising the BLAS threads around them instead
     # made the next convolutions slower than the products got faster (AlexNet 470-480 ms
-    # against 380-390 ms through oneDNN, CIFAR-10 quick 1.75x its time).
-    _STATE["blas_threads"] = set_blas_threads(1)
+    # against 380-390 ms through oneDNN, CIFAR-10 quick 1.75x its time). Process-wide, so
+    # undone when oneDNN is turned off (``use(False)``) or forgotten (``reset``).
+    _take_blas_threads()
     return dnnl
+
+
+def _take_blas_threads() -> None:
+    if "blas_threads" not in _STATE:
+        _STATE["blas_threads"] = set_blas_threads(1)
+
+
+def _give_back_blas_threads() -> None:
+    before = _STATE.pop("blas_threads", None)
+    if before is not None:
+        set_blas_threads(before)
 
 
 def available() -> bool:
@@ -592,10 +633,8 @@ def describe() -> str:
 
 
 def reset() -> None:
-    """Forget the loaded library's state so that the next ``get`` looks again (tests). A
-    library once loaded stays in the process."""
+    """Forget the loaded library's state so that the next ``get`` looks again (tests), and
+    give OpenBLAS back its thread count. A library once loaded stays in the process."""
     with _LOAD_LOCK:
-        before = _STATE.get("blas_threads")
-        if before is not None:
-            set_blas_threads(before)
+        _give_back_blas_threads()
         _STATE.clear()

@@ -3,7 +3,8 @@ bounded queue, so that reading, decoding and transforming overlap computation. T
 number handed out next is the data cursor a snapshot keeps; restoring it restarts the
 thread there. An error in the thread is raised by the forward op, naming the record.
 ``close()`` joins the thread and releases the batches' source (its database handle). While
-a trace is taken, the thread records a span per batch (``spans``)."""
+a trace is taken, the thread records a span per batch into the recorder it was given
+(``Prefetcher(spans=...)``) or the one ``recording(...)`` installs for a block."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import atexit
 import queue
 import threading
 import weakref
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -83,14 +84,32 @@ class NoSpans:
 
 
 spans: Any = NoSpans()
-"""Where data threads record the spans of a trace: an object whose ``span(name, cat, args)``
-is a context manager. The solver installs purine.runtime.trace.SPANS (data knows nothing of
-the runtime); while no trace is taken a span costs an empty ``with`` block."""
+"""Where data threads without a recorder of their own record the spans of a trace: an object
+whose ``span(name, cat, args)`` is a context manager (purine.runtime.trace.SPANS; data knows
+nothing of the runtime, so the caller hands it in). While no trace is taken a span costs an
+empty ``with`` block. Set it for a block with ``recording``."""
+
+# The recorder a prefetch thread was given (Prefetcher(spans=...)): the readers it calls
+# record their stages through data_span without being handed it.
+_thread = threading.local()
+
+
+@contextmanager
+def recording(recorder: Any) -> Iterator[Any]:
+    """``with recording(SPANS):`` data threads without a recorder of their own record into
+    ``recorder`` for the block; the one before is back after it, whatever the block raised."""
+    global spans
+    before, spans = spans, recorder
+    try:
+        yield recorder
+    finally:
+        spans = before
 
 
 def data_span(name: str, args: dict | None = None) -> AbstractContextManager:
-    """``with data_span("decode"):`` records the block as a span of the data category."""
-    return spans.span(name, "data", args)
+    """``with data_span("decode"):`` records the block as a span of the data category, into
+    the recorder this prefetch thread was given, else the module's ``spans``."""
+    return (getattr(_thread, "spans", None) or spans).span(name, "data", args)
 
 
 _POLL_S = 0.1  # how often a blocked thread checks whether it should stop
@@ -105,10 +124,15 @@ class Prefetcher:
     each thread has its own database transaction and cursor; ``read`` takes its batch
     arrays from ``pool``, where the forward op gives them back (``recycle``). When
     ``make_reader`` is a method of an object with a ``close()`` (DatumBatches), ``close()``
-    here calls it once the thread has ended."""
+    here calls it once the thread has ended.
 
-    def __init__(self, make_reader: Callable[[BufferPool], Reader], depth: int, name: str):
+    ``spans``: the recorder of this thread's spans (``span(name, cat, args)``, as
+    purine.runtime.trace.SPANS); None follows the module's ``spans``, read at each span."""
+
+    def __init__(self, make_reader: Callable[[BufferPool], Reader], depth: int, name: str,
+                 spans: Any = None):
         self.make_reader, self.depth, self.name = make_reader, int(depth), name
+        self.spans = spans
         self.closed = False
         self.pool = BufferPool(max(1, self.depth) + 1)
         self.uploader: Uploader | None = None  # batches for a GPU: copied there by the thread
@@ -196,7 +220,7 @@ class Prefetcher:
         self._stop = threading.Event()
         t = threading.Thread(target=_produce, name=self.thread_name(), daemon=True,
                              args=(self.make_reader, self.pool, self.position, self._queue,
-                                   self._stop, self.uploader))
+                                   self._stop, self.uploader, self.spans))
         # The thread holds no reference to this object: once the layer is gone, it stops.
         weakref.finalize(self, self._stop.set)
         t.start()
@@ -239,7 +263,9 @@ class Prefetcher:
 
 
 def _produce(make_reader: Callable[[BufferPool], Reader], pool: BufferPool, first: int,
-             q: queue.Queue, stop: threading.Event, upload: Uploader | None = None) -> None:
+             q: queue.Queue, stop: threading.Event, upload: Uploader | None = None,
+             recorder: Any = None) -> None:
+    _thread.spans = recorder
     k = first
     try:
         read = make_reader(pool)

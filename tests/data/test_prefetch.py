@@ -1,6 +1,7 @@
 """The prefetch thread: batches in order, a bounded lead, restore discarding prefetched
 batches, errors raised by the consumer (never a hang) and retried, a thread that ends with
-its prefetcher, and batch arrays recycled through the pool."""
+its prefetcher, batch arrays recycled through the pool, and a trace's spans recorded into the
+recorder handed in (per prefetcher, or for a block) without rebinding anything for good."""
 
 import gc
 import threading
@@ -9,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from purine.data import DataError
-from purine.data.prefetch import BufferPool, Prefetcher, fill_tops
+from purine.data import DataError, prefetch
+from purine.data.prefetch import BufferPool, Prefetcher, data_span, fill_tops
 from purine.errors import PurineError
 
 
@@ -132,3 +133,58 @@ def test_pool_limit():
     pool.give((a, b, np.empty(3)[1:]))  # views are never pooled
     assert pool.array((3,), np.float64) is a
     assert pool.array((3,), np.float64) is not b
+
+
+class Spans:
+    """A span recorder by hand: the (name, cat, args, thread) of each span as it ends."""
+
+    def __init__(self):
+        self.seen: list[tuple] = []
+
+    def span(self, name, cat="", args=None):
+        seen, thread = self.seen, threading.current_thread().name
+
+        class Block:
+            def __enter__(self):
+                pass
+
+            def __exit__(self, *exc):
+                seen.append((name, cat, args, thread))
+        return Block()
+
+
+def staged(pool):
+    def read(k):
+        with data_span("decode"):  # a reader's stage, recorded without a recorder in hand
+            return (np.full(2, k),)
+    return read
+
+
+def test_a_prefetcher_records_into_the_recorder_it_was_given():
+    mine, default = Spans(), prefetch.spans
+    p = Prefetcher(staged, 1, "layer 'x'", spans=mine)
+    assert [int(p.next()[0][0]) for _ in range(2)] == [0, 1]
+    p.close()
+    t = "prefetch layer 'x'"
+    assert mine.seen[:4] == [("decode", "data", None, t), ("batch 0", "data", {"batch": 0}, t),
+                             ("decode", "data", None, t), ("batch 1", "data", {"batch": 1}, t)]
+    assert prefetch.spans is default  # nothing process-wide was touched
+    with data_span("main"):  # this thread was given none: the module's recorder, records nothing
+        pass
+    assert [s for s in mine.seen if s[3] == "MainThread"] == []
+
+
+def test_recording_installs_a_recorder_for_a_block_and_puts_the_old_one_back():
+    block, default = Spans(), prefetch.spans
+    with pytest.raises(RuntimeError, match="stop"), prefetch.recording(block) as into:
+        assert into is block and prefetch.spans is block
+        p = Prefetcher(staged, 1, "layer 'y'")
+        assert int(p.next()[0][0]) == 0
+        with data_span("in the block", {"k": 1}):
+            pass
+        raise RuntimeError("stop")
+    assert prefetch.spans is default
+    p.close()
+    t = "prefetch layer 'y'"
+    assert block.seen[:2] == [("decode", "data", None, t), ("batch 0", "data", {"batch": 0}, t)]
+    assert ("in the block", "data", {"k": 1}, "MainThread") in block.seen

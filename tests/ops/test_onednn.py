@@ -5,7 +5,8 @@ InnerProduct ops with and without transpose and bias, and whole LeNet and CIFAR-
 training steps), float64 and small products stay on numpy, and without a usable library purine
 falls back to numpy, with one warning when an installed one fails to load.
 
-The suite runs with ``PURINE_ONEDNN=0`` (tests/conftest.py); these tests turn oneDNN on."""
+The suite runs with ``PURINE_ONEDNN=0`` (tests/conftest.py); these tests turn oneDNN on
+(``onednn.use``), and check that OpenBLAS's thread count is given back when it goes off."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from purine.backend import onednn
+from purine.backend import onednn, set_blas_threads
 from purine.caffe import TRAIN, Net
 from purine.formats import caffe_pb2 as pb
 from purine.formats.prototxt import filter_net, read_net, replace_data_layers
@@ -33,11 +34,18 @@ NOT_INSTALLED = ("no oneDNN CPU wheel installed (pip install 'purine-caffe[onedn
 
 
 @pytest.fixture
-def dnnl(monkeypatch: pytest.MonkeyPatch) -> onednn.Dnnl:
+def turned_on() -> Iterator[None]:
+    """oneDNN turned on for the test, and back to the suite's setting after it."""
+    before = onednn.use(True)
+    yield
+    onednn.use(before)
+
+
+@pytest.fixture
+def dnnl(turned_on: None) -> onednn.Dnnl:
     """oneDNN turned on for the test; skipped where it is not installed."""
     if onednn.find_library() is None:
         pytest.skip(NOT_INSTALLED)
-    monkeypatch.setenv("PURINE_ONEDNN", "1")
     d = onednn.get()
     assert d is not None, "oneDNN is installed but did not load: see the warning above"
     return d
@@ -60,7 +68,7 @@ def fresh() -> Iterator[None]:
 def on_numpy(monkeypatch: pytest.MonkeyPatch, fn: Callable[..., Any], *args: Any,
              **kwargs: Any) -> Any:
     with monkeypatch.context() as m:
-        m.setenv("PURINE_ONEDNN", "0")
+        m.setattr(onednn.SETTINGS, "enabled", False)
         return fn(*args, **kwargs)
 
 
@@ -433,11 +441,41 @@ def test_describe_names_the_library(dnnl):
     assert onednn.available()
 
 
-def test_purine_onednn_0_turns_it_off(monkeypatch):
-    monkeypatch.setenv("PURINE_ONEDNN", "0")
+def test_purine_onednn_0_turns_it_off(turned_on):
+    assert not onednn.Settings.from_environ({"PURINE_ONEDNN": "0"}).enabled
+    assert onednn.Settings.from_environ({"PURINE_ONEDNN": "1"}).enabled
+    assert onednn.Settings.from_environ({}).enabled
+    assert onednn.use(False) is True
     assert onednn.get() is None
     assert not onednn.available()
     assert onednn.describe() == "numpy"
+
+
+def test_blas_threads_are_one_while_in_use_and_given_back_after(fresh):
+    if onednn.find_library() is None:
+        pytest.skip(NOT_INSTALLED)
+    original = set_blas_threads(2)
+    if original is None:
+        pytest.skip("numpy has no OpenBLAS here: no thread count to take")
+    before = onednn.use(True)
+    try:
+        assert onednn.get() is not None and blas_threads() == 1
+        onednn.use(False)
+        assert blas_threads() == 2
+        onednn.use(True)
+        assert blas_threads() == 1
+        onednn.reset()
+        assert blas_threads() == 2
+    finally:
+        onednn.use(before)
+        set_blas_threads(original)
+
+
+def blas_threads() -> int:
+    """OpenBLAS's thread count now (read by setting it and putting it back)."""
+    n = set_blas_threads(1)
+    set_blas_threads(n)
+    return n
 
 
 @pytest.fixture
@@ -456,18 +494,16 @@ def warnings_logged() -> Iterator[list[str]]:
     log.removeHandler(handler)
 
 
-def test_not_installed_is_numpy_without_a_word(monkeypatch, fresh, warnings_logged):
-    monkeypatch.setenv("PURINE_ONEDNN", "1")
+def test_not_installed_is_numpy_without_a_word(monkeypatch, fresh, turned_on, warnings_logged):
     monkeypatch.setattr(onednn, "find_library", lambda: None)
     assert onednn.get() is None
     assert warnings_logged == []
 
 
-def test_a_broken_library_warns_once_and_falls_back(monkeypatch, fresh, warnings_logged,
-                                                    tmp_path):
+def test_a_broken_library_warns_once_and_falls_back(monkeypatch, fresh, turned_on,
+                                                    warnings_logged, tmp_path):
     broken = tmp_path / "libdnnl.so.3"
     broken.write_bytes(b"not a shared library")
-    monkeypatch.setenv("PURINE_ONEDNN", "1")
     monkeypatch.setattr(onednn, "find_library", lambda: str(broken))
     assert onednn.get() is None
     assert onednn.get() is None
