@@ -205,10 +205,8 @@ def _train(args: argparse.Namespace, comm) -> int:
                 param, comm, staleness=args.staleness, heartbeat=args.heartbeat,
                 resume=args.snapshot, sigint=args.sigint_effect, sighup=args.sighup_effect,
                 log=log, path=args.solver, threads=args.threads))
-        from purine.parallel.async_ps import AsyncSolver
-
-        solver = AsyncSolver(param, path=args.solver, threads=args.threads, log=log,
-                             replicas=args.replicas, staleness=args.staleness)
+        solver = build_solver(param, path=args.solver, threads=args.threads, log=log,
+                              replicas=args.replicas, staleness=args.staleness)
     else:
         replicas, others = args.replicas, None
         if len(gpus) > 1:  # one replica per GPU, each taking batch_size samples

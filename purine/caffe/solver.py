@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,30 @@ class Scheme:
         """Compose the scheme's ops into ``solver.net``'s graph, built from ``param`` at
         ``level`` and ``stages``; runs before the update ops exist."""
 
+    def ready(self, solver: Solver) -> None:
+        """The solver is built (nets, update ops, weights): add what needs its update ops,
+        or refuse the net; an error here closes the solver."""
+
+    def train(self, solver: Solver, iters: int) -> None:
+        """Run ``iters`` iterations of ``solver`` (its ``step``): by default its own loop;
+        a parameter server counts pushes instead."""
+        solver.loop(iters)
+
+    def iteration(self, solver: Solver) -> Any:
+        """One iteration of ``solver`` (what ``loop`` and ``trace_iteration`` run); returns
+        its loss."""
+        return solver.local_iteration()
+
+    def state_objects(self, solver: Solver) -> dict[str, Stateful]:
+        """The objects whose run-time state a snapshot keeps, by state key: replica 0's
+        keys bare, replica g's ``replica{g}/...``, test net i's ``test{i}/...``."""
+        prefix = f"replica{self.first}/" if self.first else ""
+        objects = {prefix + k: s for k, s in solver.net.builder.stateful.items()}
+        objects.update(self.stateful)
+        for i, net in enumerate(solver.test_nets):  # a test net's data cursor goes on too
+            objects.update({f"test{i}/{k}": s for k, s in net.builder.stateful.items()})
+        return objects
+
     def loss(self, loss: Any, dispatcher: Dispatcher) -> Any:
         """The loss of a pass from the train net's own: averaged over the replicas."""
         return loss
@@ -167,6 +192,16 @@ class Scheme:
         """How one history group (an array per parameter in ``params``, the train net's
         learnable parameters) is laid out in a solver state file."""
         return HistoryLayout(params)
+
+
+@dataclass
+class Lap:
+    """Where the display's rate counts from: the iteration and time of the last display
+    line (or of the step's start), so that rate x time = iterations."""
+
+    it_start: int
+    # looked up at each Lap, not bound once: the clock is the module's ``time`` of the moment
+    t_start: float = field(default_factory=lambda: time.perf_counter())
 
 
 class HistoryLayout:
@@ -265,6 +300,7 @@ class Solver:
             self.requested: Callable[[], str] = lambda: "none"
             self.last_test: list[dict[str, np.ndarray]] = []
             self._load_weights(base)
+            scheme.ready(self)
         except BaseException:  # the databases the nets opened so far are free again
             self.close()
             raise
@@ -282,8 +318,8 @@ class Solver:
                               if n is not None]
         if objects:
             try:
-                objects += self._stateful().values()  # replicas' cursors too
-            except AttributeError:  # a subclass failed to build before it made its replicas
+                objects += self.state_objects().values()  # replicas' cursors too
+            except AttributeError:  # a scheme failed to build before it made its replicas
                 pass
         close_all(objects)
 
@@ -321,7 +357,7 @@ class Solver:
             raise self._refuse("stepvalue", "values must increase strictly, got "
                                + ", ".join(map(str, steps)))
         try:
-            so.rate(it=0, **self._lr_params())  # unknown policy, missing stepsize, ...
+            so.rate(it=0, **self.lr_params())  # unknown policy, missing stepsize, ...
         except PurineError as e:
             raise self._refuse("lr_policy", str(e)) from None
         if p.snapshot_format == pb.SolverParameter.HDF5 and not have_h5py():
@@ -451,8 +487,12 @@ class Solver:
             loc = Location(loc.device, loc.index, b.threads, loc.host)
         return build_update(b.graph, b.learnable_params, b.param_grad, self.param, loc)
 
-    def _lr_params(self) -> dict:
+    def lr_params(self) -> dict:
+        """The solver's learning-rate policy settings, as ``purine.ops.solver.rate`` reads
+        them."""
         return lr_params(self.param)
+
+    _lr_params = lr_params  # the older name
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -466,7 +506,7 @@ class Solver:
 
     @property
     def lr(self) -> float:
-        return so.rate(it=self.iter, **self._lr_params())
+        return so.rate(it=self.iter, **self.lr_params())
 
     def _share_memory(self, b: NetBuilder) -> None:
         """Let the blobs of build ``b`` of the train net whose lifetimes in an iteration
@@ -475,7 +515,7 @@ class Solver:
         rate blobs, the loss tops and outputs read between iterations, and blobs bound to
         outside storage; so do the blobs of the layers before the last that settles its
         shapes in a pass, which another build may go on from. The plan covers every run
-        ``_iteration`` makes: with iter_size > 1 the passes are a loop between the zeroing
+        ``local_iteration`` makes: with iter_size > 1 the passes are a loop between the zeroing
         and the update."""
         from purine.runtime.memory import plan_memory
 
@@ -505,7 +545,7 @@ class Solver:
             self.log.info(plan.summary())
 
     # -- running -------------------------------------------------------------------------
-    def _pass_ops(self) -> list[Op]:
+    def pass_ops(self) -> list[Op]:
         """One forward/backward pass of the net, then the scheme's ops (the other replicas'
         passes, the gradient all-reduce)."""
         return self.net._forward_ops + self.net._backward_ops + self.scheme.pass_ops
@@ -515,7 +555,16 @@ class Solver:
         pass to finish (it is read when the display needs it)."""
         return self.scheme.loss(self.net.loss_value(), self.net.dispatcher)
 
-    def _iteration(self) -> float:
+    _pass_ops = pass_ops  # the older names, which tests and scripts call: _iteration too
+
+    def iteration(self) -> Any:
+        """One iteration as the scheme runs it (by default ``local_iteration``); returns
+        its loss."""
+        return self.scheme.iteration(self)
+
+    _iteration = iteration
+
+    def local_iteration(self) -> Any:
         """One iteration: iter_size forward/backward passes, then the update. Returns the
         loss averaged over the passes (and replicas). A pass settles its shapes as it goes
         (Net._pass); its backward pass and what follows run in the build it ends in."""
@@ -536,6 +585,11 @@ class Solver:
         self._iter_host += 1
         return loss / n
 
+    def count_update(self) -> None:
+        """Count an iteration whose update ops a scheme ran itself (a parameter server's
+        push): the counter blob advanced, and the host's copy of it follows."""
+        self._iter_host += 1
+
     def apply_update(self) -> None:
         """Caffe's Solver::ApplyUpdate: update the weights from the gradients the train net
         holds now (its parameters' diffs, as a backward pass leaves them), at the current
@@ -555,10 +609,10 @@ class Solver:
 
         net = self.net
         net.profile(True)
-        prefetch.spans = SPANS  # the data threads' spans join the ops' events
         SPANS.start()
         try:
-            loss = self._iteration()
+            with prefetch.recording(SPANS):  # the data threads' spans join the ops' events
+                loss = self.iteration()
         finally:
             events = net.profile(False)
             spans = SPANS.stop()
@@ -574,52 +628,67 @@ class Solver:
         return loss
 
     def step(self, iters: int) -> None:
+        """Train ``iters`` iterations (the scheme's: pushes, for a parameter server)."""
         if self.closed:
             raise PurineError(f"solver {self._where()} is closed: its nets' data sources are "
                               "released; build a new solver to train again")
         self.net.reshape_if_needed()  # an input blob reshaped: the train side is rebuilt
         with one_blas_thread() if self.scheme.concurrent else nullcontext():
-            self._step(iters)
+            self.scheme.train(self, iters)
 
-    def _step(self, iters: int) -> None:
-        p, log = self.param, self.log
-        stop = self.iter + iters
-        t_start, it_start = time.perf_counter(), self.iter
+    def loop(self, iters: int) -> None:
+        """``iters`` iterations in this thread, each with what surrounds it (``iterate``);
+        the first of them is traced when ``trace_path`` is set."""
+        stop, lap = self.iter + iters, Lap(self.iter)
         while self.iter < stop:
-            if p.test_interval and self.iter % p.test_interval == 0 and (
-                    self.iter > 0 or p.test_initialization):
-                self.test_all()
-            display = p.display and self.iter % p.display == 0
-            if self.net.builder.debug:
-                self.net.builder.debug.on = bool(display)
-            if self.trace_path:
-                loss = self.trace_iteration(self.trace_path)
-                self.trace_path = None
-            else:
-                loss = self._iteration()
-            it = self.iter - 1  # the update op advanced the counter
-            if not is_device_array(loss):  # a GPU's loss is checked when it is displayed
-                _check_finite(float(loss), it)
-            self.smoothed.append(loss)
-            if display:
-                _check_finite(float(loss), it)
-                # The iterations run since the last line (or since this step began: the
-                # first line, the first after a resume), so that rate x time = iterations.
-                lapse, done = time.perf_counter() - t_start, it + 1 - it_start
-                per_s = done / lapse if lapse > 0 else 0.0
-                log.info("Iteration %d (%g iter/s, %.3fs/%d iters), loss = %g", it, per_s,
-                         lapse, done, sum(float(v) for v in self.smoothed) / len(self.smoothed))
-                t_start, it_start = time.perf_counter(), it + 1
-                self._log_outputs(self.net, "Train", None)
-                log.info("Iteration %d, lr = %g", it, so.rate(it=it, **self._lr_params()))
-            if p.snapshot and self.iter % p.snapshot == 0:
-                self.snapshot()
-            action = self.scheme.agree(self.requested())
-            if action == "snapshot":
-                self.snapshot()
-            elif action == "stop":
+            action = self.iterate(self._traced_or_plain_iteration, lap)
+            if action == "stop":
                 self.stopped_early = True
                 break
+
+    def _traced_or_plain_iteration(self) -> Any:
+        """``iteration()``, traced to ``trace_path`` once when one is set (``--trace``)."""
+        if not self.trace_path:
+            return self.iteration()
+        path, self.trace_path = self.trace_path, None
+        return self.trace_iteration(path)
+
+    def iterate(self, iteration: Callable[[], Any], lap: Lap,
+                outputs: dict[str, np.ndarray] | None = None, who: str = "") -> str:
+        """``iteration()`` (it returns the loss) with what Caffe does around one: the tests
+        due first; then the loss check, the display line (``outputs``: the train outputs
+        shown, by default the net's; ``who`` joins the iteration in an error), the
+        scheduled snapshot and the requested action, which is returned once a requested
+        snapshot is written."""
+        p, log = self.param, self.log
+        if p.test_interval and self.iter % p.test_interval == 0 and (
+                self.iter > 0 or p.test_initialization):
+            self.test_all()
+        display = p.display and self.iter % p.display == 0
+        if self.net.builder.debug:
+            self.net.builder.debug.on = bool(display)
+        loss = iteration()
+        it = self.iter - 1  # the update op advanced the counter
+        if not is_device_array(loss):  # a GPU's loss is checked when it is displayed
+            _check_finite(float(loss), it, who)
+        self.smoothed.append(loss)
+        if display:
+            _check_finite(float(loss), it, who)
+            # The iterations run since the last line (or since this step began: the
+            # first line, the first after a resume), so that rate x time = iterations.
+            lapse, done = time.perf_counter() - lap.t_start, it + 1 - lap.it_start
+            per_s = done / lapse if lapse > 0 else 0.0
+            log.info("Iteration %d (%g iter/s, %.3fs/%d iters), loss = %g", it, per_s,
+                     lapse, done, sum(float(v) for v in self.smoothed) / len(self.smoothed))
+            lap.t_start, lap.it_start = time.perf_counter(), it + 1
+            self._log_outputs(self.net, "Train", outputs)
+            log.info("Iteration %d, lr = %g", it, so.rate(it=it, **self.lr_params()))
+        if p.snapshot and self.iter % p.snapshot == 0:
+            self.snapshot()
+        action = self.scheme.agree(self.requested())
+        if action == "snapshot":
+            self.snapshot()
+        return action
 
     def solve(self, resume: str | None = None) -> None:
         p, log = self.param, self.log
@@ -739,24 +808,20 @@ class Solver:
         """What Caffe's SolverState has no field for: the train net's run-time state (how
         far each random stream and data cursor has gone), by layer."""
         return {"seed": self.seed,
-                "stateful": {k: s.state() for k, s in self._stateful().items()}}
+                "stateful": {k: s.state() for k, s in self.state_objects().items()}}
 
-    def _stateful(self) -> dict:
-        """By global replica: replica 0's keys are bare, replica g's ``replica{g}/...``."""
-        first = self.scheme.first
-        prefix = f"replica{first}/" if first else ""
-        objects = {prefix + k: s for k, s in self.net.builder.stateful.items()}
-        objects.update(self.scheme.stateful)
-        for i, net in enumerate(self.test_nets):  # a test net's data cursor goes on too
-            objects.update({f"test{i}/{k}": s for k, s in net.builder.stateful.items()})
-        return objects
+    def state_objects(self) -> dict[str, Stateful]:
+        """The objects whose run-time state a snapshot keeps, by key (the scheme's)."""
+        return self.scheme.state_objects(self)
+
+    _stateful = state_objects  # the older name
 
     def _private_plan(self, payload: str | bytes, where: str) -> list[tuple[str, Any, dict]]:
         """(key, object, state) for each entry of a private state that an object of this
         solver receives, all checked against the schema before any is restored; ``where``
         names the file and field in an error. Keys no object here has are left out (another
         run's replicas or test nets), as Caffe leaves out unknown fields."""
-        objects = self._stateful()
+        objects = self.state_objects()
         plan = []
         for key, value in parse_private(payload, where)["stateful"].items():
             obj = objects.get(key)
@@ -853,9 +918,9 @@ class Solver:
                               fit)
 
 
-def _check_finite(loss: float, it: int) -> None:
+def _check_finite(loss: float, it: int, who: str = "") -> None:
     if not math.isfinite(loss):
-        raise DivergenceError(f"iteration {it}: the loss is {loss}; training stopped "
+        raise DivergenceError(f"iteration {it}{who}: the loss is {loss}; training stopped "
                               "(snapshots already written are intact)")
 
 

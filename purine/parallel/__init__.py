@@ -235,15 +235,32 @@ class DataParallel(Scheme):
         return self.mpi.gather_trace(events) if self.mpi else super().gather_trace(events)
 
 
-def build_solver(source: str | os.PathLike | pb.SolverParameter, *, replicas: int = 1,
-                 comm: Any = None, replica_locations: list[Location] | None = None,
-                 placement: Any = None, **kwargs: Any) -> Solver:
-    """``Solver(source, **kwargs)`` training as ``DataParallel(replicas, comm,
-    replica_locations)`` says, or with ``placement`` (a placement file or locations by
-    layer name) as ``ModelParallel(placement)`` says."""
+def scheme_for(*, replicas: int = 1, comm: Any = None,
+               replica_locations: list[Location] | None = None, placement: Any = None,
+               staleness: int | None = None) -> Scheme:
+    """The scheme ``build_solver``'s keywords name: ``ModelParallel(placement, ...)`` with a
+    placement (a placement file or locations by layer name; with replicas, the hybrid),
+    ``Downpour(replicas, staleness)`` with a staleness (asynchronous replicas in this
+    process), else ``DataParallel(replicas, comm, replica_locations)``."""
     if placement is not None:
         from purine.parallel.model_parallel import ModelParallel
 
-        return Solver(source, scheme=ModelParallel(placement, replicas, replica_locations,
-                                                   comm), **kwargs)
-    return Solver(source, scheme=DataParallel(replicas, comm, replica_locations), **kwargs)
+        return ModelParallel(placement, replicas, replica_locations, comm)
+    if staleness is not None:
+        from purine.parallel.async_ps import Downpour
+
+        return Downpour(replicas, staleness)
+    return DataParallel(replicas, comm, replica_locations)
+
+
+def build_solver(source: str | os.PathLike | pb.SolverParameter, *, replicas: int = 1,
+                 comm: Any = None, replica_locations: list[Location] | None = None,
+                 placement: Any = None, staleness: int | None = None,
+                 **kwargs: Any) -> Solver:
+    """``Solver(source, **kwargs)`` training with the scheme ``scheme_for`` gives for the
+    other keywords: data parallelism, model parallelism (``placement``) or asynchronous
+    replicas (``staleness``)."""
+    return Solver(source, scheme=scheme_for(replicas=replicas, comm=comm,
+                                            replica_locations=replica_locations,
+                                            placement=placement, staleness=staleness),
+                  **kwargs)

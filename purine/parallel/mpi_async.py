@@ -1,7 +1,7 @@
-"""Downpour across MPI processes: rank 0 is the parameter server (a ParameterServer: the
-solver's own update ops, tests, display, snapshots), ranks 1..N-1 are workers, rank k
-replica k-1 of N-1, each looping pull -> forward/backward -> push with point-to-point
-messages and no barrier. A worker that falls silent is dropped and training goes on.
+"""Downpour across MPI processes: rank 0 is the parameter server (a ParameterServer scheme
+of a plain Solver: the solver's own update ops, tests, display, snapshots), ranks 1..N-1
+are workers, rank k replica k-1 of N-1, each looping pull -> forward/backward -> push with
+point-to-point messages and no barrier. A worker that falls silent is dropped and training goes on.
 
 Every message is an array of the net's float type (a float32 net's weights travel as
 float32; a message's head, an iteration or a loss, is exact to 2^24). Every MPI call is
@@ -28,11 +28,16 @@ from typing import Any
 import numpy as np
 
 from purine.backend import assign
-from purine.caffe.solver import Scheme, SignalHandler, Solver
+from purine.caffe.solver import Lap, Scheme, SignalHandler, Solver
 from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.graph import Blob
-from purine.parallel.async_ps import ParameterServer, Run, refuse_forward_written
+from purine.parallel.async_ps import (
+    ParameterServer,
+    Run,
+    SolverWithServer,
+    refuse_forward_written,
+)
 
 PULL, WEIGHTS, GRADS, STOP, BYE, FINALIZE, BEAT, FAILED = range(11, 19)  # message tags
 SERVER = 0
@@ -172,47 +177,50 @@ class Sizes:
                       + sum(u.param.count for u in self.active))
 
 
-class MpiServer(ParameterServer):
-    """Rank 0 of a Downpour job over ``comm``: ``step(iters)`` answers the workers' pulls
-    (while a worker is at most ``staleness`` pushes ahead of the slowest live one) and
-    runs one solver iteration per push. A worker silent for ``heartbeat`` seconds is lost
-    and dropped; losing the last is an error."""
+class MpiParameterServer(ParameterServer):
+    """Rank 0 of a Downpour job over ``comm``, as the scheme of a plain Solver: its
+    ``step(iters)`` answers the workers' pulls (while a worker is at most ``staleness``
+    pushes ahead of the slowest live one) and runs one solver iteration per push. A worker
+    silent for ``heartbeat`` seconds is lost and dropped; losing the last is an error."""
 
-    def __init__(self, source: str | os.PathLike | pb.SolverParameter, *, comm: Any,
-                 staleness: int, heartbeat: float, **kwargs: Any):
+    def __init__(self, comm: Any, staleness: int, heartbeat: float):
         n = comm.size - 1
-        super().__init__(source, replicas=n, staleness=staleness,
-                         scheme=Scheme(f"{n} asynchronous workers over MPI ranks"), **kwargs)
+        super().__init__(f"{n} asynchronous workers over MPI ranks", n, staleness)
         self.comm, self.heartbeat = comm, heartbeat
-        self.sizes = Sizes(self)
-        targets = self._server_grads()
-        self._targets = [targets[u.grad] for u in self.sizes.active]
         self._waiting: set[int] = set()   # replicas that asked for weights
         self._claims: set[int] = set()    # replicas computing on weights pulled in this run
         self._inbox = np.empty(0)         # the gradients message being applied
         self.link: Link | None = None
+        self.sizes: Sizes | None = None
+        self._targets: list[Blob] = []
+
+    def ready(self, solver: Solver) -> None:
+        super().ready(solver)
+        self.sizes = Sizes(solver)
+        targets = self._server_grads()
+        self._targets = [targets[u.grad] for u in self.sizes.active]
 
     def start(self) -> None:
         """Listen and send heartbeats to the workers (after the start-up handshake)."""
         self.link = Link(self.comm, list(range(1, self.comm.size)), self.heartbeat / 10,
                          self.sizes.dtype)
 
-    def _stateful(self) -> dict[str, Any]:
+    def state_objects(self, solver: Solver) -> dict[str, Any]:
         """The test nets' cursors: the workers' data cursors stay in the workers, which
         start their data from the beginning in every run."""
-        return {f"test{i}/{k}": s for i, net in enumerate(self.test_nets)
+        return {f"test{i}/{k}": s for i, net in enumerate(solver.test_nets)
                 for k, s in net.builder.stateful.items()}
 
-    def _iteration(self) -> float:
+    def iteration(self, solver: Solver) -> float:
         raise PurineError("the server of Downpour over MPI runs no iteration of its own: the "
                           "workers' passes run in their processes")
 
-    def step(self, iters: int) -> None:
+    def train(self, solver: Solver, iters: int) -> None:
         """``iters`` pushes from the live workers."""
         if iters <= 0:
             return
         assert self.link is not None, "start() the server first"
-        run = Run(iters, it_start=self.iter)
+        run = Run(iters, Lap(solver.iter))
         while not (run.stopped or (run.claimed >= iters and not self._claims)):
             busy = self._read_messages(run)
             self._drop_silent(run)
@@ -220,7 +228,7 @@ class MpiServer(ParameterServer):
             if not busy:
                 time.sleep(POLL_S)
         if run.stopped:
-            self.stopped_early = True
+            solver.stopped_early = True
             self._claims.clear()  # pushes still on their way are discarded
 
     def _read_messages(self, run: Run) -> bool:
@@ -255,10 +263,10 @@ class MpiServer(ParameterServer):
         return any_
 
     def _push(self, replica: int) -> None:
-        d = self.net.dispatcher
+        d = self.solver.net.dispatcher
         at = len(self._inbox) - sum(t.count for t in self._targets)
         unflatten(self._inbox[at:], self._targets, d.array)
-        d.run(self.update_ops)
+        d.run(self.solver.update_ops)
         self._updated(replica)
 
     def _answer_pulls(self, run: Run) -> bool:
@@ -274,9 +282,9 @@ class MpiServer(ParameterServer):
             self._claims.add(r)
             run.claimed += 1
             self._log_pull(r)
-            d = self.net.dispatcher
+            d = self.solver.net.dispatcher
             self.link.send(r + 1, WEIGHTS, flat([d.array(p) for p in self.sizes.params],
-                                                [self.iter], self.sizes.dtype))
+                                                [self.solver.iter], self.sizes.dtype))
             sent = True
         return sent
 
@@ -296,9 +304,9 @@ class MpiServer(ParameterServer):
         n = len(self.live)
         if not n:
             raise PurineError(f"every worker was lost (the last, rank {r + 1}: {why}); "
-                              f"training stopped at iteration {self.iter} (the last snapshot "
-                              "is intact)")
-        self.log.warning("worker rank %d lost (%s); training continues with %d worker%s",
+                              f"training stopped at iteration {self.solver.iter} (the last "
+                              "snapshot is intact)")
+        self.solver.log.warning("worker rank %d lost (%s); training continues with %d worker%s",
                          r + 1, why, n, "" if n == 1 else "s")
 
     def stop_workers(self, code: int) -> bool:
@@ -332,6 +340,16 @@ class MpiServer(ParameterServer):
                 link.send(r + 1, FINALIZE, np.array([float(finalize)]))
         link.close()
         return finalize
+
+
+class MpiServer(SolverWithServer):
+    """``MpiServer(source, comm=..., staleness=S, heartbeat=T, **kwargs)``: ``Solver(source,
+    scheme=MpiParameterServer(comm, S, T), **kwargs)``, its scheme's state read through."""
+
+    def __init__(self, source: str | os.PathLike | pb.SolverParameter, *, comm: Any,
+                 staleness: int, heartbeat: float, **kwargs: Any):
+        scheme = MpiParameterServer(comm, staleness, heartbeat)
+        super().__init__(Solver(source, scheme=scheme, **kwargs), scheme)
 
 
 class MpiWorker:
@@ -419,7 +437,7 @@ class MpiWorker:
             d.run(s.zero_ops)
         loss = 0.0
         for _ in range(n):
-            d.run(s._pass_ops() + s.accumulate_ops)
+            d.run(s.pass_ops() + s.accumulate_ops)
             loss += float(s.net.loss_value())
         return loss / n
 
@@ -453,19 +471,22 @@ def train(param: pb.SolverParameter, comm: Any, *, staleness: int, heartbeat: fl
     0, a worker elsewhere. Errors are reported here, on the rank that has them. Returns the
     process's exit code (0: trained, or a worker told so) and whether MPI may be finalized
     (every rank is still there to)."""
-    side: MpiServer | MpiWorker | None = None
+    side: Solver | MpiWorker | None = None
+    sizes: Sizes | None = None
     try:
         if comm.rank == SERVER:
-            side = MpiServer(param, comm=comm, staleness=staleness, heartbeat=heartbeat,
-                             log=log, **kwargs)
+            server = MpiParameterServer(comm, staleness, heartbeat)
+            side = Solver(param, scheme=server, log=log, **kwargs)
+            sizes = server.sizes
         else:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server decides when to stop
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
             side = MpiWorker(param, comm=comm, heartbeat=heartbeat, log=log, **kwargs)
+            sizes = side.sizes
     except Exception as e:  # noqa: BLE001 -- the handshake tells the other ranks
         _say(comm, str(e) if isinstance(e, PurineError) else traceback.format_exc())
     try:
-        _handshake(comm, side.sizes if side else None)
+        _handshake(comm, sizes)
     except PurineError as e:
         if side is not None:  # a rank that failed to build said why already
             _say(comm, str(e))
@@ -484,15 +505,15 @@ def train(param: pb.SolverParameter, comm: Any, *, staleness: int, heartbeat: fl
     with side:
         side.log.info("Downpour over MPI: the server on rank 0, %d workers, staleness %d, "
                       "heartbeat %gs", comm.size - 1, staleness, heartbeat)
-        side.start()
+        server.start()
         try:
             with SignalHandler(sigint, sighup) as signals:
                 side.requested = signals
                 side.solve(resume=resume)
         except BaseException as e:  # noqa: BLE001 -- the process leaves by os._exit
             _say(comm, _describe(e))
-            return 1, side.stop_workers(1)
-        return 0, side.stop_workers(0)
+            return 1, server.stop_workers(1)
+        return 0, server.stop_workers(0)
 
 
 def _describe(e: BaseException) -> str:

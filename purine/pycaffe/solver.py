@@ -9,11 +9,15 @@ from __future__ import annotations
 import os
 
 from purine.caffe import solver as caffe_solver
+from purine.formats import caffe_pb2 as pb
 from purine.ops.solver import SOLVER_TYPES
-from purine.parallel import DataParallel
+from purine.parallel import scheme_for
 from purine.pycaffe import mode
 from purine.pycaffe.mode import settings
 from purine.pycaffe.net import Net
+
+# build_solver's keywords that choose the scheme (purine.parallel.scheme_for)
+PARALLEL_KEYWORDS = ("replicas", "comm", "replica_locations", "placement")
 
 
 class Solver(caffe_solver.Solver):
@@ -24,23 +28,19 @@ class Solver(caffe_solver.Solver):
 
     solver_type: str | None = None  # the update rule a subclass forces
 
-    def __init__(self, path: str | os.PathLike, **kwargs):
-        param = caffe_solver.read_solver(path)
+    def __init__(self, path: str | os.PathLike, *, param: pb.SolverParameter | None = None,
+                 **kwargs):
+        # ``param``: the file's message when the caller has read it already (get_solver)
+        param = caffe_solver.read_solver(path if param is None else param)
         if self.solver_type is not None:
             param.type = self.solver_type
         if param.random_seed < 0 and settings.seed is not None:
             param.random_seed = settings.seed
         source = os.fspath(path)
         kwargs.setdefault("location", mode.location())
-        if kwargs.get("placement") is not None:  # model parallelism (with replicas: hybrid)
-            from purine.parallel.model_parallel import ModelParallel
-
-            kwargs["scheme"] = ModelParallel(kwargs.pop("placement"), kwargs.pop("replicas", 1),
-                                             kwargs.pop("replica_locations", None),
-                                             kwargs.pop("comm", None))
-        elif {"replicas", "comm", "replica_locations"} & kwargs.keys():  # data parallelism
-            kwargs["scheme"] = DataParallel(kwargs.pop("replicas", 1), kwargs.pop("comm", None),
-                                            kwargs.pop("replica_locations", None))
+        named = {k: kwargs.pop(k) for k in PARALLEL_KEYWORDS if k in kwargs}
+        if named.get("placement") is not None or named.keys() - {"placement"}:
+            kwargs["scheme"] = scheme_for(**named)  # as purine.parallel.build_solver
         super().__init__(param, path=source if os.path.exists(source) else "", **kwargs)
         Net.adopt(self.net)
         for n in self.test_nets:
@@ -64,5 +64,5 @@ globals().update({c.__name__: c for c in _BY_TYPE.values()})
 
 def get_solver(path: str | os.PathLike) -> Solver:
     """The solver class of the file's ``type`` (SGD when unset), as Caffe's registry."""
-    kind = caffe_solver.read_solver(path).type
-    return _BY_TYPE.get(kind, Solver)(path)
+    param = caffe_solver.read_solver(path)  # read once, handed on
+    return _BY_TYPE.get(param.type, Solver)(path, param=param)
