@@ -4,7 +4,7 @@
 # default (upb) backend and the pure-Python backend.
 #
 # For each runtime a throwaway venv gets only protobuf + pytest, and
-# tests/caffe/test_proto.py runs with PYTHONPATH set to the repo root (purine is
+# tests/formats/test_proto.py runs with PYTHONPATH set to the repo root (purine is
 # not installed, so nothing beyond caffe_pb2's own imports is required).
 # grpcio-tools is deliberately absent there, so the staleness test skips.
 #
@@ -41,7 +41,7 @@ for spec in "${RUNTIMES[@]}"; do
         if (cd "$REPO_ROOT" && env "${impl_env[@]}" PYTHONPATH="$REPO_ROOT" \
                 PYTHONDONTWRITEBYTECODE=1 \
                 "$venv/bin/python" -m pytest -q -rs -p no:cacheprovider --noconftest \
-                -o addopts="" tests/caffe/test_proto.py); then
+                -o addopts="" tests/formats/test_proto.py); then
             :
         else
             failed+=("protobuf $version ($impl backend)")
