@@ -10,7 +10,13 @@ import pytest
 
 from purine.caffe import TEST, Net
 from purine.converters import ConvertError
-from tests.converters.test_model_converters import onnx_modules, randomize, write
+from tests.converters.test_model_converters import (
+    assert_agrees,
+    onnx_modules,
+    randomize,
+    run_onnx,
+    write,
+)
 from tests.converters.test_onnx_batch import _dims, _export, _feeds
 
 INPUT = """layer {{ name: "data" type: "Input" top: "data"
@@ -73,42 +79,6 @@ layer { name: "rois" type: "Input" top: "rois" input_param { shape { dim: 2 dim:
 layer { name: "pool" type: "ROIPooling" bottom: "data" bottom: "rois" top: "pool"
   roi_pooling_param { pooled_h: 3 pooled_w: 2 spatial_scale: 0.5 } }
 """
-
-
-def run_onnx(model, feeds):
-    """Every tensor of the exported graph that a node writes, by name, from onnxruntime
-    (each output declared with the type shape inference gives it: Resize's sizes are int64)."""
-    onnx, ort = onnx_modules()
-    m = onnx.shape_inference.infer_shapes(model)
-    types = {v.name: v.type.tensor_type.elem_type for v in m.graph.value_info}
-    have = {o.name for o in m.graph.output}
-    for node in m.graph.node:
-        for name in node.output:
-            if name not in have:
-                m.graph.output.append(onnx.helper.make_tensor_value_info(
-                    name, types.get(name, onnx.TensorProto.FLOAT), None))
-                have.add(name)
-    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(None, {k: np.asarray(v, np.float32)
-                                           for k, v in feeds.items()}), strict=True))
-
-
-def assert_agrees(model, net, feeds, expect):
-    """onnxruntime's tensors equal the net's blobs of the same name to 1e-5 of their
-    magnitude (``expect`` among them, and the net's outputs)."""
-    ref = net.forward(**feeds)
-    got = run_onnx(model, feeds)
-    compared = []
-    for name in net.blobs:
-        if name in got:
-            want = net.blobs[name].data
-            assert got[name].shape == want.shape, name
-            scale = max(float(np.abs(want).max()), 1e-12)
-            err = float(np.abs(got[name] - want).max())
-            assert err <= 1e-5 * scale, f"{name}: max error {err} of magnitude {scale}"
-            compared.append(name)
-    assert set(expect) | set(ref) <= set(compared), set(expect) | set(ref) - set(compared)
 
 
 def _symbolic(tmp_path, capfd, text, expect, scale=1.0, feeds=None):

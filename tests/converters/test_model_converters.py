@@ -333,20 +333,23 @@ def onnx_modules():
 
 
 def run_onnx(model, feeds):
-    """Every Caffe-named tensor of the exported graph, by name, from onnxruntime."""
+    """Every tensor of the exported graph that a node writes, by name, from onnxruntime
+    (each output declared with the type shape inference gives it: Resize's sizes are int64;
+    the feeds as float32)."""
     onnx, ort = onnx_modules()
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
+    m = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in m.graph.value_info}
     have = {o.name for o in m.graph.output}
     for node in m.graph.node:
         for name in node.output:
             if name not in have:
                 m.graph.output.append(onnx.helper.make_tensor_value_info(
-                    name, onnx.TensorProto.FLOAT, None))
+                    name, types.get(name, onnx.TensorProto.FLOAT), None))
                 have.add(name)
     sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(None, feeds), strict=True))
+    return dict(zip(names, sess.run(None, {k: np.asarray(v, np.float32)
+                                           for k, v in feeds.items()}), strict=True))
 
 
 def assert_agrees(model, net, feeds, expect=()):
