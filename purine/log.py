@@ -35,12 +35,14 @@ class _Stderr(logging.StreamHandler):
         pass
 
 
-# glog's GLOG_minloglevel, as Caffe users silence Caffe's INFO lines: 0 INFO ... 3 FATAL.
-_GLOG_MIN = {"0": logging.INFO, "1": logging.WARNING, "2": logging.ERROR, "3": logging.CRITICAL}
+# glog's severities (GLOG_minloglevel, pycaffe's init_log): 0 INFO ... 3 FATAL.
+GLOG_LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.CRITICAL}
 
 
 def _min_level() -> int:
-    return _GLOG_MIN.get(os.environ.get("GLOG_minloglevel", "0").strip(), logging.INFO)
+    """GLOG_minloglevel's level, as Caffe users silence Caffe's INFO lines (INFO if unset)."""
+    text = os.environ.get("GLOG_minloglevel", "0").strip()
+    return GLOG_LEVELS.get(int(text) if text.isdigit() else 0, logging.INFO)
 
 
 def get_logger() -> logging.Logger:

@@ -68,7 +68,7 @@ def encode_datums(pixels: np.ndarray, labels: Sequence[int] | None = None, *,
         return [b"".join((head, rows[k].tobytes(), label_fields[k], tail)) for k in range(n)]
     fields = np.empty((n, c * h * w), _FLOAT_FIELD)
     fields["tag"] = _FLOAT_TAG
-    fields["value"] = pixels.reshape(n, c * h * w).astype(np.float64)
+    fields["value"] = pixels.reshape(n, c * h * w)  # cast to float32 as it is stored
     body, size = fields.tobytes(), c * h * w * _FLOAT_FIELD.itemsize
     return [b"".join([head, label_fields[k], body[k * size:(k + 1) * size], tail])
             for k in range(n)]

@@ -70,13 +70,6 @@ def install() -> None:
     importlib.import_module("caffe")
 
 
-def uninstall() -> None:
-    """Take the finder off and forget the ``caffe`` names (purine's modules stay)."""
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, CaffeAlias)]
-    for name in [n for n in sys.modules if _target(n) is not None]:
-        del sys.modules[name]
-
-
 def load_ipython_extension(ipython) -> None:  # noqa: ARG001 - IPython's hook signature
     """``%load_ext purine.pycaffe.alias`` in a running notebook: ``import caffe`` from then
     on is purine.pycaffe."""

@@ -9,20 +9,17 @@ import time
 from dataclasses import dataclass
 
 from purine.errors import PurineError
-from purine.log import get_logger
-
-# glog's severities, as Caffe's init_log(level) takes them (FLAGS_minloglevel).
-_GLOG_LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.CRITICAL}
+from purine.log import GLOG_LEVELS, get_logger
 
 
 def init_log(level: int = 0, stderr: bool = True) -> None:
     """Caffe's ``caffe.init_log([level[, stderr]])``: log lines of severity ``level`` and
     above (0 INFO, 1 WARNING, 2 ERROR, 3 FATAL), in glog's format, on stderr. Purine's lines
     always go to stderr; ``stderr=False`` (Caffe: pipe to a log file only) silences them."""
-    if level not in _GLOG_LEVELS:
+    if level not in GLOG_LEVELS:
         raise ValueError(f"caffe.init_log: level must be 0 (INFO) to 3 (FATAL), got {level!r}")
     log = get_logger()
-    log.setLevel(_GLOG_LEVELS[level] if stderr else logging.CRITICAL + 1)
+    log.setLevel(GLOG_LEVELS[level] if stderr else logging.CRITICAL + 1)
 
 
 def log(message: str) -> None:
