@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -366,6 +366,14 @@ def one_blas_thread() -> Iterator[None]:
             set_blas_threads(before)
 
 
+def pass_scope() -> AbstractContextManager[None]:
+    """The process-wide settings the host kernels want while a pass runs (oneDNN's: OpenBLAS
+    at one thread), taken on entry and given back when the last pass in flight ends."""
+    from purine.backend import onednn
+
+    return onednn.pass_scope()
+
+
 def set_blas_threads(n: int) -> int | None:
     """Let numpy's OpenBLAS use ``n`` threads from now on; the count it had, or None where
     no OpenBLAS is found (then nothing changes)."""
@@ -378,6 +386,7 @@ def set_blas_threads(n: int) -> int | None:
     return before
 
 
+@functools.cache  # numpy (imported above) has loaded its OpenBLAS: the answer cannot change
 def _openblas_threads():
     """OpenBLAS's (get_num_threads, set_num_threads) from the libraries this process has
     loaded (Linux's /proc/self/maps), under any of the names numpy's builds export."""

@@ -2,8 +2,9 @@
 used by the float32 host bodies of ``purine.ops.conv``, ``purine.ops.pooling`` and
 ``purine.ops.inner_product`` when the optional ``onednn-cpu-gomp`` wheel is installed
 (``pip install "purine-caffe[onednn]"``); without it, or with ``PURINE_ONEDNN=0`` (read once
-into ``SETTINGS``; ``use`` changes it), they run on numpy. While it is in use, OpenBLAS runs
-one thread (``use(False)`` and ``reset`` give its count back).
+into ``SETTINGS``; ``use`` changes it), they run on numpy. While a pass runs with it in use
+(``pass_scope``, which the dispatcher holds), OpenBLAS runs one thread; between passes the
+user's own numpy has its threads.
 
 Each convolution geometry gets its primitives once (descriptor creation costs milliseconds)
 on oneDNN's own blocked layouts; a call reorders its NCHW/OIHW operands into them and the
@@ -23,7 +24,8 @@ import importlib.metadata
 import os
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -552,9 +554,28 @@ class Settings:
 
 SETTINGS = Settings.from_environ()
 # "dnnl": the loaded library (or None: not installed, failed); "blas_threads": present while
-# this module holds OpenBLAS at one thread, the count it had before (None: no OpenBLAS).
-_STATE: dict[str, Any] = {}
+# this module holds OpenBLAS at one thread, the count it had before (None: no OpenBLAS);
+# "passes": how many passes are running now (pass_scope), in any thread.
+_STATE: dict[str, Any] = {"passes": 0}
 _LOAD_LOCK = threading.Lock()
+
+
+@contextmanager
+def pass_scope() -> Iterator[None]:
+    """Hold OpenBLAS at one thread while a pass runs with oneDNN loaded and in use, and give
+    its count back when the last pass in flight (passes nest and run in several threads)
+    ends: the setting is the kernels', not the process's."""
+    with _LOAD_LOCK:
+        _STATE["passes"] += 1
+        if SETTINGS.enabled and _STATE.get("dnnl") is not None:
+            _take_blas_threads()
+    try:
+        yield
+    finally:
+        with _LOAD_LOCK:
+            _STATE["passes"] -= 1
+            if _STATE["passes"] == 0:
+                _give_back_blas_threads()
 
 
 def use(enabled: bool) -> bool:
@@ -564,7 +585,7 @@ def use(enabled: bool) -> bool:
         before, SETTINGS.enabled = SETTINGS.enabled, bool(enabled)
         if not enabled:
             _give_back_blas_threads()
-        elif _STATE.get("dnnl") is not None:
+        elif _STATE.get("dnnl") is not None and _STATE["passes"]:
             _take_blas_threads()
     return before
 
@@ -605,9 +626,10 @@ def _start() -> Dnnl | None:
     # quick, 1.26x to 0.85x on LeNet and 1.07x to 0.85x on AlexNet. InnerProduct's larger
     # products go to oneDNN for that reason; raising the BLAS threads around them instead
     # made the next convolutions slower than the products got faster (AlexNet 470-480 ms
-    # against 380-390 ms through oneDNN, CIFAR-10 quick 1.75x its time). Process-wide, so
-    # undone when oneDNN is turned off (``use(False)``) or forgotten (``reset``).
-    _take_blas_threads()
+    # against 380-390 ms through oneDNN, CIFAR-10 quick 1.75x its time). Held while passes
+    # run (pass_scope; this one, when the library loads in the middle of it).
+    if _STATE["passes"]:
+        _take_blas_threads()
     return dnnl
 
 
@@ -637,4 +659,6 @@ def reset() -> None:
     give OpenBLAS back its thread count. A library once loaded stays in the process."""
     with _LOAD_LOCK:
         _give_back_blas_threads()
+        passes = _STATE["passes"]
         _STATE.clear()
+        _STATE["passes"] = passes

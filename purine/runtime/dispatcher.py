@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from purine.backend import activate, record, stream, wait
+from purine.backend import activate, pass_scope, record, stream, wait
 from purine.errors import PurineError
 from purine.graph import Blob, Graph, Location, Op
 from purine.runtime.memory import Buffer, MemoryPlan, Store, blob_nbytes
@@ -292,6 +292,10 @@ class Dispatcher:
 
     def run_sequential(self, ops: Sequence[Op] | None = None) -> None:
         """Run in program order in the calling thread: the reference schedule."""
+        with pass_scope():
+            self._run_sequential(ops)
+
+    def _run_sequential(self, ops: Sequence[Op] | None) -> None:
         self._sync()
         plan = self._plan(ops)
         self._fence_in(plan)
@@ -318,11 +322,17 @@ class Dispatcher:
             self._fence.update({s: record(s) for s in plan.streams})
 
     def run(self, ops: Sequence[Op] | None = None) -> None:
+        """Run the ops (all by default) at their locations' workers, each when its inputs
+        are ready; the first failure is raised once the ops in flight have finished."""
+        with pass_scope():
+            self._run(ops)
+
+    def _run(self, ops: Sequence[Op] | None) -> None:
         self._sync()
         plan = self._plan(ops)
         if len(plan.locations) <= 1:
             # One worker: program order is already an order in which every op is ready.
-            self.run_sequential(plan.ops)
+            self._run_sequential(plan.ops)
             return
         for o in plan.ops:  # storage is allocated here, never by two workers at once
             if plan.where[o].thread == TRANSFER_THREAD:

@@ -451,7 +451,7 @@ def test_purine_onednn_0_turns_it_off(turned_on):
     assert onednn.describe() == "numpy"
 
 
-def test_blas_threads_are_one_while_in_use_and_given_back_after(fresh):
+def test_blas_threads_are_one_while_a_pass_runs_and_given_back_after(fresh):
     if onednn.find_library() is None:
         pytest.skip(NOT_INSTALLED)
     original = set_blas_threads(2)
@@ -459,13 +459,46 @@ def test_blas_threads_are_one_while_in_use_and_given_back_after(fresh):
         pytest.skip("numpy has no OpenBLAS here: no thread count to take")
     before = onednn.use(True)
     try:
-        assert onednn.get() is not None and blas_threads() == 1
-        onednn.use(False)
+        assert onednn.get() is not None and blas_threads() == 2  # between passes: the user's
+        with onednn.pass_scope():
+            assert blas_threads() == 1
+            with onednn.pass_scope():  # nested (a dispatcher's run in another's)
+                assert blas_threads() == 1
+            assert blas_threads() == 1
+            onednn.use(False)
+            assert blas_threads() == 2
+            onednn.use(True)
+            assert blas_threads() == 1
+            onednn.reset()
+            assert blas_threads() == 2
+            assert onednn.get() is not None and blas_threads() == 1  # loaded mid-pass
         assert blas_threads() == 2
-        onednn.use(True)
-        assert blas_threads() == 1
-        onednn.reset()
-        assert blas_threads() == 2
+    finally:
+        onednn.use(before)
+        set_blas_threads(original)
+
+
+def test_a_dispatcher_pass_holds_the_blas_threads_and_gives_them_back(fresh):
+    if onednn.find_library() is None:
+        pytest.skip(NOT_INSTALLED)
+    from purine.graph import CPU, Graph
+    from purine.runtime.dispatcher import Dispatcher
+
+    original = set_blas_threads(2)
+    if original is None:
+        pytest.skip("numpy has no OpenBLAS here: no thread count to take")
+    before = onednn.use(True)
+    seen: list[int] = []
+    try:
+        assert onednn.get() is not None
+        g = Graph()
+        x = g.blob("x", (1,), location=CPU)
+        y = g.blob("y", (1,), location=CPU)
+        g.op("look", "Look", [x], [y], lambda ins, outs: seen.append(blas_threads()))
+        d = Dispatcher(g)
+        d.run()
+        d.run_sequential()
+        assert seen == [1, 1] and blas_threads() == 2
     finally:
         onednn.use(before)
         set_blas_threads(original)
