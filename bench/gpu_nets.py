@@ -183,7 +183,7 @@ class _Tracker:
         self._get_table = memory_hook.get_memory_hooks
         self._register()
 
-        def register_in_new_thread(frame, event, arg):
+        def register_in_new_thread(frame, event, arg):  # noqa: ARG001
             sys.setprofile(None)  # this profile function only registers the hook, once
             self._register()
 

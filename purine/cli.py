@@ -473,6 +473,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _pycaffe_face() -> bool:
+    from purine import pycaffe
+
+    return pycaffe.install_as_caffe()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["python"]:  # its arguments are Python's, not argparse's
@@ -480,10 +486,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return run.main(argv[1:])
     args = build_parser().parse_args(argv)
-    # A user's Python layer module that says `import caffe` gets the whole pycaffe face,
-    # as in Caffe's own tool (importing purine.pycaffe registers it with the builder).
-    import purine.pycaffe  # noqa: F401
+    # A user's Python layer module that says `import caffe` gets the whole pycaffe face, as
+    # under Caffe's own tool: registered here, imported only when a net has a Python layer.
+    from purine.caffe.layers.python import provide_caffe
 
+    provide_caffe(_pycaffe_face)
     return run_reporting(f"purine-caffe {args.command}", lambda: args.run(args))
 
 

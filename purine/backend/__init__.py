@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -364,14 +364,6 @@ def one_blas_thread() -> Iterator[None]:
     finally:
         if before is not None:
             set_blas_threads(before)
-
-
-def pass_scope() -> AbstractContextManager[None]:
-    """The process-wide settings the host kernels want while a pass runs (oneDNN's: OpenBLAS
-    at one thread), taken on entry and given back when the last pass in flight ends."""
-    from purine.backend import onednn
-
-    return onednn.pass_scope()
 
 
 def set_blas_threads(n: int) -> int | None:

@@ -149,7 +149,7 @@ class Scheme:
             objects.update({f"test{i}/{k}": s for k, s in net.builder.stateful.items()})
         return objects
 
-    def loss(self, loss: Any, dispatcher: Dispatcher) -> Any:
+    def loss(self, loss: Any, dispatcher: Dispatcher) -> Any:  # noqa: ARG002
         """The loss of a pass from the train net's own: averaged over the replicas."""
         return loss
 
@@ -945,7 +945,7 @@ class SignalHandler:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
         self.pending = self.effects.get(signum, "none")
 
     def __call__(self) -> str:

@@ -134,7 +134,7 @@ class Backend:
         finally:
             src.close()
 
-    def count(self, path: str) -> int | None:
+    def count(self, path: str) -> int | None:  # noqa: ARG002
         """The record count, when the database keeps one cheaply (progress bars)."""
         return None
 

@@ -79,7 +79,8 @@ class NoSpans:
 
     _none = nullcontext()
 
-    def span(self, name: str, cat: str = "", args: dict | None = None) -> nullcontext:
+    def span(self, name: str, cat: str = "",  # noqa: ARG002
+             args: dict | None = None) -> nullcontext:  # noqa: ARG002
         return self._none
 
 

@@ -220,7 +220,8 @@ def reduction_backward(*arrays: Array, op: str, coeff: float) -> None:
 
 
 # -- Embed ----------------------------------------------------------------------------------
-def _indices_gpu(x: Array, input_dim: int, check: bool) -> tuple[Array, Array | None]:
+def _indices_gpu(x: Array, input_dim: int,
+                 check: bool) -> tuple[Array, Array | None]:  # noqa: ARG001
     """Reading the verdict back would stall the stream: the bad positions come back as a
     mask (their index clamped into range), checked or not, and the caller writes NaN there."""
     xp = get_array_module(x)
@@ -326,7 +327,8 @@ def _clamped_reindex(permut: Array, num: int) -> tuple[Array, Array]:
     return xp.trunc(xp.where(bad, 0, permut)).astype(xp.int64), bad
 
 
-def _reindex_gpu(permut: Array, num: int, check: bool) -> tuple[Array, Array | None]:
+def _reindex_gpu(permut: Array, num: int,
+                 check: bool) -> tuple[Array, Array | None]:  # noqa: ARG001
     """Reading the verdict back would stall the stream: the bad positions come back as a
     mask, checked or not, and the caller writes NaN there."""
     return _clamped_reindex(permut, num)

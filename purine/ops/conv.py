@@ -577,7 +577,7 @@ def _gpu_geometry(g: ConvGeometry) -> tuple[int, ...]:
             g.pad_h, g.pad_w, g.dilation_h, g.dilation_w, g.out_h, g.out_w)
 
 
-def _gpu_matrix(xp: Any, a3: Array, buf: Array) -> Array:
+def _gpu_matrix(a3: Array, buf: Array) -> Array:
     """The chunk ``a3`` (n, rows, P) as a (rows, n*P) matrix: a copy into ``buf``, or ``a3``
     itself for one sample."""
     n, rows, p = a3.shape
@@ -642,7 +642,7 @@ def _gpu_backward_data(xp: Any, kernels: Kernels, dy: Array, w: Array, dx: Array
     dy_buf = xp.empty(m * n_max * p, dtype=dy.dtype) if n_max > 1 else None
     for s in chunks:
         n = s.stop - s.start
-        dyt = _gpu_matrix(xp, dy3[s], dy_buf)
+        dyt = _gpu_matrix(dy3[s], dy_buf)
         col = col_buf[:ng * kg * n * p].reshape(ng * kg, n * p)
         for k in range(ng):
             xp.matmul(w2[k].T, dyt[k * mg:(k + 1) * mg], out=col[k * kg:(k + 1) * kg])
@@ -668,11 +668,11 @@ def _gpu_backward_weight(xp: Any, kernels: Kernels, pairs: list[Array], dw: Arra
         for s in chunks:
             n = s.stop - s.start
             if im2col is None:  # 1x1: the columns are the input, channels first
-                col = _gpu_matrix(xp, x3[s], col_buf)
+                col = _gpu_matrix(x3[s], col_buf)
             else:
                 col = col_buf[:ng * kg * n * p].reshape(ng * kg, n * p)
                 im2col(col.size, x4[s], col, n, *_gpu_geometry(g))
-            dyt = _gpu_matrix(xp, dy3[s], dy_buf)
+            dyt = _gpu_matrix(dy3[s], dy_buf)
             if not first and part is None:
                 part = xp.empty_like(dw2)
             target = dw2 if first else part

@@ -49,8 +49,9 @@ def _class_labels(xp: Any, label: Array, outer: int, classes: int, inner: int,
     return _checked_labels(value, valid, bad, label, classes, ignore_label)
 
 
-def _checked_labels_gpu(value: Array, valid: Array, bad: Array, label: Array, classes: int,
-                        ignore_label: int | None) -> tuple[Array, Array, Array | None]:
+def _checked_labels_gpu(value: Array, valid: Array, bad: Array,
+                        label: Array, classes: int, ignore_label: int | None,  # noqa: ARG001
+                        ) -> tuple[Array, Array, Array | None]:
     xp = get_array_module(value)
     valid &= ~bad
     return xp.where(valid, value, 0).astype(xp.int64), valid, bad
@@ -144,7 +145,7 @@ def _softmax_loss_gradient_gpu(p3: Array, index: Array, valid: Array, bad: Array
 
 
 @device_variant(_softmax_loss_gradient_gpu)
-def _softmax_loss_gradient(p3: Array, index: Array, valid: Array, bad: Array | None,
+def _softmax_loss_gradient(p3: Array, index: Array, valid: Array, bad: Array | None,  # noqa: ARG001
                            scale: Array, d3: Array) -> None:
     """d3 = (p3 - onehot(index)) * scale, zero where the label does not count; ``p3`` and
     ``d3`` are (outer, classes, inner), the others (outer, inner) or 0-d."""

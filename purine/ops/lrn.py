@@ -47,7 +47,7 @@ def _power(xp: Any, a: Array, exponent: float, out: Array) -> Array:
     return out
 
 
-def _channel_window_sum(xp: Any, a: Array, size: int, out: Array) -> None:
+def _channel_window_sum(a: Array, size: int, out: Array) -> None:
     """out[:, c] = sum of a[:, c'] over |c' - c| <= (size-1)/2 (a is (num, channels, P))."""
     half = (size - 1) // 2
     channels = a.shape[1]
@@ -59,7 +59,7 @@ def _channel_window_sum(xp: Any, a: Array, size: int, out: Array) -> None:
         out[:, :channels - o] += a[:, o:]
 
 
-def _box_sum(xp: Any, a: Array, size: int, out: Array) -> None:
+def _box_sum(a: Array, size: int, out: Array) -> None:
     """out = the size x size box sums of a (num, channels, H, W), zero outside the image:
     separable, so 2 (size-1) shifted adds instead of size^2."""
     half = (size - 1) // 2
@@ -74,12 +74,12 @@ def _box_sum(xp: Any, a: Array, size: int, out: Array) -> None:
         out[:, :, :h - o] += rows[:, :, o:]
 
 
-def _window_sum(xp: Any, a: Array, out: Array, *, size: int, within: bool) -> None:
+def _window_sum(a: Array, out: Array, *, size: int, within: bool) -> None:
     if within:
-        _box_sum(xp, a, size, out)
+        _box_sum(a, size, out)
     else:
         planes = a.shape[:2] + (math.prod(a.shape[2:]),)  # -1 cannot size an empty batch
-        _channel_window_sum(xp, a.reshape(planes), size, out.reshape(planes))
+        _channel_window_sum(a.reshape(planes), size, out.reshape(planes))
 
 
 def _in_blocks(fn: Callable[[slice], None], x: Array) -> None:
@@ -105,7 +105,7 @@ def _forward_arrays(x: Array, y: Array, scale: Array, *, size: int, alpha: float
     """The forward pass as array operations (the host's, and a GPU's WITHIN_CHANNEL)."""
     xp = get_array_module(x)
     sq = xp.square(x)
-    _window_sum(xp, sq, scale, size=size, within=within)
+    _window_sum(sq, scale, size=size, within=within)
     scale *= alpha / _norm(size, within)
     scale += shift
     xp.multiply(x, _power(xp, scale, -beta, sq), out=y)
@@ -136,7 +136,7 @@ def _backward_arrays(x: Array, y: Array, scale: Array, dy: Array, dx: Array, *, 
     ratio = xp.multiply(dy, y)
     ratio /= scale
     acc = xp.empty_like(ratio)
-    _window_sum(xp, ratio, acc, size=size, within=within)
+    _window_sum(ratio, acc, size=size, within=within)
     acc *= x
     acc *= 2.0 * alpha * beta / _norm(size, within)
     xp.multiply(dy, _power(xp, scale, -beta, ratio), out=dx)

@@ -23,10 +23,10 @@ def _per_channel(v: Array) -> Array:
     return v.reshape(1, -1, 1)
 
 
-def batch_norm_forward_train(x: Array, mean: Array, var: Array, factor: Array, y: Array,
-                             mean_out: Array, var_out: Array, factor_out: Array, x_norm: Array,
-                             inv_std: Array, *, channels: int, moving_average_fraction: float,
-                             eps: float) -> None:
+def batch_norm_forward_train(x: Array, mean: Array, var: Array, factor: Array,  # noqa: ARG001
+                             y: Array, mean_out: Array, var_out: Array, factor_out: Array,
+                             x_norm: Array, inv_std: Array, *, channels: int,
+                             moving_average_fraction: float, eps: float) -> None:
     """Normalise with the batch statistics and fold them into the running sums in place
     (``mean_out`` is ``mean``, etc.); ``x_norm`` and ``inv_std`` are kept for backward
     because a later in-place layer may overwrite ``y``."""

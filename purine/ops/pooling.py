@@ -106,7 +106,7 @@ def _window_starts(xp: Any, g: PoolGeometry) -> Array:
 
 
 def _max_pool_forward_gpu(x: Array, y: Array, mask: Array, *, geom: PoolGeometry) -> None:
-    _gpu_max_pool_forward(get_array_module(x), cuda.kernel, x, y, mask, geom)
+    _gpu_max_pool_forward(cuda.kernel, x, y, mask, geom)
 
 
 @device_variant(_max_pool_forward_gpu)
@@ -159,7 +159,7 @@ def _max_pool_forward(x4: Array, y4: Array, m4: Array, g: PoolGeometry) -> None:
 
 
 def _max_pool_backward_gpu(dy: Array, mask: Array, dx: Array, *, geom: PoolGeometry) -> None:
-    _gpu_max_pool_backward(get_array_module(dy), cuda.kernel, dy, mask, dx, geom)
+    _gpu_max_pool_backward(cuda.kernel, dy, mask, dx, geom)
 
 
 @device_variant(_max_pool_backward_gpu)
@@ -319,7 +319,7 @@ def stochastic_pool_forward_train(x: Array, y: Array, index: Array, *, geom: Poo
 def _stochastic_pool_backward_gpu(dy: Array, index: Array, dx: Array, *, geom: PoolGeometry
                                   ) -> None:
     # MAX's gather kernel: it compares each covering window's index with the pixel's.
-    _gpu_max_pool_backward(get_array_module(dy), cuda.kernel, dy, index, dx, geom)
+    _gpu_max_pool_backward(cuda.kernel, dy, index, dx, geom)
 
 
 @device_variant(_stochastic_pool_backward_gpu)
@@ -398,8 +398,7 @@ def _gpu_mask(mask: Array, dtype: Any) -> tuple[str, Array]:
     return "", mask.astype(np.int32)
 
 
-def _gpu_max_pool_forward(xp: Any, kernels: Any, x: Array, y: Array, mask: Array,
-                          g: PoolGeometry) -> None:
+def _gpu_max_pool_forward(kernels: Any, x: Array, y: Array, mask: Array, g: PoolGeometry) -> None:
     suffix, m = _gpu_mask(mask, x.dtype)
     kernels("pooling", "max_pool_forward" + suffix, x.dtype)(y.size, x, y, m,
                                                              *_gpu_geometry(g))
@@ -407,7 +406,7 @@ def _gpu_max_pool_forward(xp: Any, kernels: Any, x: Array, y: Array, mask: Array
         mask[...] = m.reshape(mask.shape)
 
 
-def _gpu_max_pool_backward(xp: Any, kernels: Any, dy: Array, mask: Array, dx: Array,
+def _gpu_max_pool_backward(kernels: Any, dy: Array, mask: Array, dx: Array,
                            g: PoolGeometry) -> None:
     suffix, m = _gpu_mask(mask, dy.dtype)
     kernels("pooling", "max_pool_backward" + suffix, dy.dtype)(dx.size, dy, m, dx,

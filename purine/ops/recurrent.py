@@ -30,7 +30,7 @@ def _conted(cont_t: Array, h: Array) -> Array:
 
 
 # -- the static input --------------------------------------------------------------------
-def add_static(pre: Array, static: Array, pre_out: Array) -> None:
+def add_static(pre: Array, static: Array, pre_out: Array) -> None:  # noqa: ARG001
     """pre_t += static for every step t (``pre_out`` is ``pre``)."""
     pre_out += static[None]
 

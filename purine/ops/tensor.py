@@ -32,7 +32,7 @@ def sum(*arrays: Array) -> None:  # noqa: A001 - the op is Caffe's Sum
         y += x
 
 
-def accumulate(x: Array, acc: Array, acc_out: Array) -> None:
+def accumulate(x: Array, acc: Array, acc_out: Array) -> None:  # noqa: ARG001
     """acc += x (``acc_out`` is ``acc``)."""
     acc_out += x
 

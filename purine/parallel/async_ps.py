@@ -160,7 +160,7 @@ class Downpour(ParameterServer):
         self._lock = threading.Condition()  # the server: pulls, pushes, tests, snapshots
         self._level, self._stages = 0, ()
 
-    def rewrite(self, solver: Solver, param: pb.NetParameter, level: int,
+    def rewrite(self, solver: Solver, param: pb.NetParameter, level: int,  # noqa: ARG002
                 stages: tuple[str, ...]) -> None:
         self._level, self._stages = level, stages  # the replicas are built alike (ready)
 
@@ -233,7 +233,7 @@ class Downpour(ParameterServer):
         self.solver.net.dispatcher.run(self.workers[replica].push_ops + self.solver.update_ops)
         self._updated(replica)
 
-    def iteration(self, solver: Solver) -> float:
+    def iteration(self, solver: Solver) -> float:  # noqa: ARG002
         """One push by replica 0 in the calling thread (what ``trace_iteration`` records)."""
         w = self.workers[0]
         with self._lock:
@@ -294,7 +294,7 @@ class Downpour(ParameterServer):
                 self._lock.notify_all()
 
     # -- state ----------------------------------------------------------------------------
-    def state_objects(self, solver: Solver) -> dict[str, Stateful]:
+    def state_objects(self, solver: Solver) -> dict[str, Stateful]:  # noqa: ARG002
         """The replicas' data cursors and random streams, keyed as in synchronous mode
         (replica 0 bare, replica r ``replica{r}/...``); the master net never reads data
         while training, so its own are left out."""

@@ -128,7 +128,7 @@ class ModelParallel(Scheme):
                               f"logs them; {', '.join(sorted(set(away)))} would be elsewhere")
 
     # -- the collectives of a placement over ranks ---------------------------------------
-    def loss(self, loss: Any, dispatcher: Any) -> Any:
+    def loss(self, loss: Any, dispatcher: Any) -> Any:  # noqa: ARG002
         if self.comm is None:
             return loss
         return self.comm.bcast(float(loss) if self.root else None, root=0)

@@ -170,7 +170,8 @@ class Messages:
             self.comm.Recv(array, source=host, tag=tag)
 
 
-def all_reduce_mean(grad: Any, token: Any, grad_out: Any, token_out: Any, *, comm: Any) -> None:
+def all_reduce_mean(grad: Any, token: Any, grad_out: Any, token_out: Any,  # noqa: ARG001
+                    *, comm: Any) -> None:
     """The gradient, already averaged over this rank's replicas, becomes the average over
     every rank's (in place); the token only orders these ops."""
     comm.Allreduce(_mpi().IN_PLACE, grad_out, op=_mpi().SUM)

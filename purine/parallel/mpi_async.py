@@ -211,7 +211,7 @@ class MpiParameterServer(ParameterServer):
         return {f"test{i}/{k}": s for i, net in enumerate(solver.test_nets)
                 for k, s in net.builder.stateful.items()}
 
-    def iteration(self, solver: Solver) -> float:
+    def iteration(self, solver: Solver) -> float:  # noqa: ARG002
         raise PurineError("the server of Downpour over MPI runs no iteration of its own: the "
                           "workers' passes run in their processes")
 

@@ -145,8 +145,8 @@ def _datatype(nccl: Any, grad: Any) -> int:
     return types[grad.dtype.name]
 
 
-def nccl_reduce_mean(grad: Any, token: Any, grad_out: Any, token_out: Any, *, group: NcclGroup,
-                     local: int) -> None:
+def nccl_reduce_mean(grad: Any, token: Any, grad_out: Any, token_out: Any,  # noqa: ARG001
+                     *, group: NcclGroup, local: int) -> None:
     """One process: sum ``grad`` over the group's GPUs into GPU 0's (in place), which then
     divides by the number of GPUs: the mean, as Caffe's data parallelism averages. The
     other GPUs' gradients are left as they were."""
@@ -157,7 +157,7 @@ def nccl_reduce_mean(grad: Any, token: Any, grad_out: Any, token_out: Any, *, gr
         grad *= 1.0 / len(group.devices)
 
 
-def nccl_all_reduce_mean(grad: Any, token: Any, grad_out: Any, token_out: Any, *,
+def nccl_all_reduce_mean(grad: Any, token: Any, grad_out: Any, token_out: Any, *,  # noqa: ARG001
                          group: NcclGroup, local: int) -> None:
     """Across ranks: sum ``grad`` over every rank's GPUs, in place on each; the first GPU
     of the rank divides by their number (its update reads the mean; the other GPUs' sums

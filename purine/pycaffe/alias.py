@@ -29,7 +29,7 @@ class CaffeAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     module itself (imported under its own name, so it exists once); its ``__spec__`` stays
     its own."""
 
-    def find_spec(self, fullname: str, path=None, target=None):
+    def find_spec(self, fullname: str, path=None, target=None):  # noqa: ARG002
         real = _target(fullname)
         if real is None:
             return None

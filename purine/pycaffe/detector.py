@@ -55,7 +55,8 @@ class Detector(Net):
         return [{"window": w, "prediction": p, "filename": fname}
                 for (fname, w), p in zip(placed, predictions)]
 
-    def detect_selective_search(self, image_fnames: Iterable[str]) -> list[dict[str, Any]]:
+    def detect_selective_search(
+            self, image_fnames: Iterable[str]) -> list[dict[str, Any]]:  # noqa: ARG002
         """pycaffe proposes windows with the MATLAB selective search code of R-CNN; purine
         does not ship it, so this always raises."""
         raise PurineError(

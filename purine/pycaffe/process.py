@@ -106,7 +106,7 @@ class NCCL:
     """Caffe's ``caffe.NCCL(solver, uid)``; as in a Caffe built without NCCL, making one (or
     a uid) is an error that says what to use instead."""
 
-    def __init__(self, solver: object = None, uid: object = None) -> None:
+    def __init__(self, solver: object = None, uid: object = None) -> None:  # noqa: ARG002
         raise NCCLUnavailable(_NO_NCCL)
 
     @staticmethod

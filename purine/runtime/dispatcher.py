@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from purine.backend import activate, pass_scope, record, stream, wait
+from purine.backend import activate, record, stream, wait
+from purine.backend.onednn import pass_scope
 from purine.errors import PurineError
 from purine.graph import Blob, Graph, Location, Op
 from purine.runtime.memory import Buffer, MemoryPlan, Store, blob_nbytes

@@ -113,3 +113,24 @@ def test_the_stand_in_is_installed_over_nothing_or_a_source_checkout(tmp_path, m
     with pytest.raises(AttributeError, match="caffe.Net: while purine.pycaffe is not imported"):
         caffe.Net  # noqa: B018
     assert pylayer.caffe_name_free()  # the stand-in may be replaced
+
+
+# The command: pycaffe is registered when it starts, imported only by a net's Python layer.
+CLI_SCRIPT = """
+import sys
+from purine import cli
+code = cli.main(["device_query"])
+print(code, "purine.pycaffe" in sys.modules)
+code = cli.main(["test", "--model", {net!r}, "--iterations", "1"])
+print(code, "purine.pycaffe" in sys.modules, sys.modules["caffe"] is sys.modules["purine.pycaffe"])
+"""
+
+
+def test_the_command_imports_pycaffe_only_for_a_python_layer(tmp_path):
+    net = _write(tmp_path, "cli_double")
+    script = CLI_SCRIPT.format(net=net)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["0 False", "0 True True"]

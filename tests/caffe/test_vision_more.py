@@ -248,7 +248,7 @@ def test_stochastic_backward_gpu_path_with_the_emulated_kernel(shape, kernel, st
     dy = np.random.default_rng(18).standard_normal(idx.shape)
     want, got = np.empty(shape), np.full(shape, np.nan)
     pooling.stochastic_pool_backward(dy, idx, want, geom=geom)
-    pooling._gpu_max_pool_backward(np, emulate.kernel, dy, idx, got, geom)
+    pooling._gpu_max_pool_backward(emulate.kernel, dy, idx, got, geom)
     np.testing.assert_allclose(got, want, rtol=1e-14, atol=0)
 
 

@@ -312,13 +312,13 @@ def test_max_pool_matches_cpu(case, dtype, mask_type, ties):
     want_y, want_m = np.empty(shape, dtype), np.empty(shape, mdt)
     pooling.max_pool_forward(x, want_y, want_m, geom=g)
     y, m = np.full(shape, np.nan, dtype), np.full(shape, 7, mdt)
-    pooling._gpu_max_pool_forward(np, emulate.kernel, x, y, m, g)
+    pooling._gpu_max_pool_forward(emulate.kernel, x, y, m, g)
     np.testing.assert_array_equal(y, want_y)  # maxima are copies: exact
     np.testing.assert_array_equal(m, want_m)
     want_dx = np.empty_like(x)
     pooling.max_pool_backward(dy, want_m, want_dx, geom=g)
     dx = np.full_like(x, np.nan)
-    pooling._gpu_max_pool_backward(np, emulate.kernel, dy, m, dx, g)
+    pooling._gpu_max_pool_backward(emulate.kernel, dy, m, dx, g)
     # Both add the windows' gradients in window order: exact as well.
     np.testing.assert_array_equal(dx, want_dx)
 
@@ -328,7 +328,7 @@ def test_max_pool_mask_of_other_float_type_and_nan():
     x = np.arange(16, dtype=np.float64).reshape(1, 1, 4, 4)
     x[0, 0, 0, 1] = np.nan
     y, m = np.empty((1, 1, 2, 2)), np.empty((1, 1, 2, 2), np.float32)
-    pooling._gpu_max_pool_forward(np, emulate.kernel, x, y, m, g)
+    pooling._gpu_max_pool_forward(emulate.kernel, x, y, m, g)
     want_y, want_m = np.empty_like(y), np.empty_like(m)
     pooling.max_pool_forward(x, want_y, want_m, geom=g)
     np.testing.assert_array_equal(y, want_y)  # NaN propagates as on the CPU

@@ -106,7 +106,7 @@ class _BatchShapes(Settler):
     def __init__(self, source: Prefetcher):
         self.source = source
 
-    def before(self, bottoms: list) -> tuple[tuple[int, ...], ...]:
+    def before(self, bottoms: list) -> tuple[tuple[int, ...], ...]:  # noqa: ARG002
         batch = self.source.peek()
         arrays = getattr(batch, "arrays", batch)  # a batch made for a GPU, or host arrays
         return tuple(tuple(a.shape) for a in arrays)

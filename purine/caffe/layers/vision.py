@@ -38,7 +38,7 @@ def conv_towers(lp: pb.LayerParameter, n: int) -> TowerSplit:
     return TowerSplit(p.group % n == 0, axes, tower)
 
 
-def lrn_towers(lp: pb.LayerParameter, n: int) -> TowerSplit:
+def lrn_towers(lp: pb.LayerParameter, n: int) -> TowerSplit:  # noqa: ARG001
     """LRN within channels splits as a per-channel layer; across channels it does not."""
     if lp.lrn_param.norm_region == pb.LRNParameter.ACROSS_CHANNELS:
         raise SplitRefused("LRN across channels mixes neighbouring channels of two towers; "
