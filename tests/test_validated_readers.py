@@ -349,11 +349,11 @@ def test_a_bad_private_state_is_refused_naming_the_file_and_key(tmp_path, payloa
 
 def test_nothing_is_restored_unless_every_entry_passes(tmp_path):
     s = Solver(SOLVER)
-    before = {k: obj.state() for k, obj in s._stateful().items()}
+    before = {k: obj.state() for k, obj in s.state_objects().items()}
     bad = dict(GOOD, **{"drop/random#0": {"count": "x"}})
     with pytest.raises(PurineError, match="'drop/random#0': 'count' is a string"):
         s.restore(state_file(tmp_path, s, private(bad)))
-    assert {k: obj.state() for k, obj in s._stateful().items()} == before
+    assert {k: obj.state() for k, obj in s.state_objects().items()} == before
 
 
 def test_a_valid_private_state_restores_and_unknown_keys_are_ignored(tmp_path):
@@ -363,7 +363,7 @@ def test_a_valid_private_state_restores_and_unknown_keys_are_ignored(tmp_path):
     path = state_file(tmp_path, s, private(stateful, seed=2**40))
     assert snapshot_seed(path) == 2**40
     s.restore(path)
-    assert {k: obj.state() for k, obj in s._stateful().items()} == GOOD
+    assert {k: obj.state() for k, obj in s.state_objects().items()} == GOOD
     assert snapshot_seed(state_file(tmp_path, s, private(GOOD, seed=None), "n")) is None
 
 

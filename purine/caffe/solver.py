@@ -492,7 +492,6 @@ class Solver:
         them."""
         return lr_params(self.param)
 
-    _lr_params = lr_params  # the older name
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -555,14 +554,12 @@ class Solver:
         pass to finish (it is read when the display needs it)."""
         return self.scheme.loss(self.net.loss_value(), self.net.dispatcher)
 
-    _pass_ops = pass_ops  # the older names, which tests and scripts call: _iteration too
 
     def iteration(self) -> Any:
         """One iteration as the scheme runs it (by default ``local_iteration``); returns
         its loss."""
         return self.scheme.iteration(self)
 
-    _iteration = iteration
 
     def local_iteration(self) -> Any:
         """One iteration: iter_size forward/backward passes, then the update. Returns the
@@ -814,7 +811,6 @@ class Solver:
         """The objects whose run-time state a snapshot keeps, by key (the scheme's)."""
         return self.scheme.state_objects(self)
 
-    _stateful = state_objects  # the older name
 
     def _private_plan(self, payload: str | bytes, where: str) -> list[tuple[str, Any, dict]]:
         """(key, object, state) for each entry of a private state that an object of this

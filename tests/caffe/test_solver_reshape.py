@@ -93,7 +93,7 @@ def test_reshaped_train_net_continues_as_a_solver_restored_at_the_new_batch(tmp_
         got_params, got_history = params(s), history(s)
         # The learning rate blob: iteration 5's rate, two steps of gamma down.
         np.testing.assert_allclose(s.net.dispatcher.array(s._lr), 0.1 * 0.5 ** 2)
-        assert so.rate(it=5, **s._lr_params()) == pytest.approx(0.025)
+        assert so.rate(it=5, **s.lr_params()) == pytest.approx(0.025)
     with Solver(solver_text(8, tmp_path, kind), share_memory=share) as ref:
         ref.restore(state)  # weights, history, iteration 3, random streams, HDF5 cursor
         assert ref.iter == 3

@@ -349,7 +349,7 @@ def lenet_solver(tmp_path, **extra):
 
 
 def losses(solver, n: int) -> list[float]:
-    return [float(solver._iteration()) for _ in range(n)]
+    return [float(solver.iteration()) for _ in range(n)]
 
 
 @requires_gpu

@@ -189,8 +189,8 @@ def test_snapshots_and_resume(mnist_dbs, tmp_path):
         np.testing.assert_array_equal(resumed.net.dispatcher.array(b),
                                       solver.net.dispatcher.array(a))
     # the data cursors of both replicas were saved and restored
-    saved = {k: o.state() for k, o in solver._stateful().items()}
-    assert {k: o.state() for k, o in resumed._stateful().items()} == saved
+    saved = {k: o.state() for k, o in solver.state_objects().items()}
+    assert {k: o.state() for k, o in resumed.state_objects().items()} == saved
     assert any(k.startswith("replica1/") for k in saved)
     resumed.step(4)
     assert resumed.iter == 24

@@ -45,7 +45,7 @@ def test_replicas_equal_one_net_with_the_whole_batch(mnist_db, replicas):
     single = Solver(lenet_solver(mnist_db, b * replicas))
     single.step(10)
     parallel = build_solver(lenet_solver(mnist_db, b), replicas=replicas)
-    locations = {op.location for op in parallel._pass_ops()}
+    locations = {op.location for op in parallel.pass_ops()}
     assert len(locations) == replicas + 1  # one worker per replica, one for the all-reduce
     parallel.step(10)
     for layer, views in single.net.params.items():
@@ -65,7 +65,7 @@ def test_replicas_in_other_memory_spaces_copy_weights_in_and_gradients_home(mnis
     shared.step(10)
     apart = build_solver(lenet_solver(mnist_db, 8), replicas=2,
                          replica_locations=[Location("cpu", 1)])
-    copies = [op for op in apart._pass_ops() if op.type == "Copy"]
+    copies = [op for op in apart.pass_ops() if op.type == "Copy"]
     assert {op.name.split("/")[1] for op in copies} == {"pull", "push"}
     assert len(copies) == 2 * len(apart.net.builder.learnable_params)
     apart.step(10)

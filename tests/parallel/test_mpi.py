@@ -132,7 +132,7 @@ def test_two_ranks_train_as_two_replicas_and_rank0_alone_writes(launcher, tmp_pa
     # The displayed loss is the mean over both ranks' replicas, as the reference's.
     first = float(re.search(r"\] Iteration 0 .*loss = (\S+)", log).group(1))
     again = build_solver(lenet_solver(mnist_db, BATCH, 1), replicas=2)
-    assert first == pytest.approx(again._iteration(), rel=1e-5)
+    assert first == pytest.approx(again.iteration(), rel=1e-5)
 
 
 def test_two_ranks_of_two_replicas_resume_and_equal_four_replicas(launcher, tmp_path,
@@ -180,7 +180,7 @@ def test_exchange_ops_are_chained_in_reverse_parameter_order_at_the_server(mnist
     s = build_solver(lenet_solver(mnist_db, BATCH, 1), comm=OneRankOfTwo())
     params = [w.name for w in s.net.builder.learnable_params]
     assert [o.name for o in s.scheme.mpi.ops] == [f"mpi/all_reduce/{n}" for n in reversed(params)]
-    deps = s.net.graph.dependencies(s._pass_ops() + s.update_ops)
+    deps = s.net.graph.dependencies(s.pass_ops() + s.update_ops)
     for before, after in zip(s.scheme.mpi.ops, s.scheme.mpi.ops[1:]):
         assert before in deps[after]  # the token orders them
     net_locations = {o.location for o in s.net._forward_ops + s.net._backward_ops}

@@ -316,7 +316,7 @@ def test_two_ranks_of_two_gpus_all_reduce_every_gradient_in_backward_order(nccl,
             assert grads == want
         update = [o for o in s.update_ops if o.name.endswith("/update")]
         assert {o.location for o in update} == {Location("gpu", 0, 2)}
-        deps = s.net.graph.dependencies(s._pass_ops() + s.update_ops)
+        deps = s.net.graph.dependencies(s.pass_ops() + s.update_ops)
         for name in PARAMS:  # an update waits for its gradient's all-reduce on GPU 0
             reduce = next(o for o in ops if o.name == f"nccl/all_reduce0/{name}")
             prepare = next(o for o in s.update_ops if o.name == f"solver/{name}/prepare")

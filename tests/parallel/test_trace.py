@@ -43,7 +43,7 @@ def test_top_layer_all_reduce_overlaps_lower_backward(tmp_path):
     s = build_solver(solver, replicas=2)
     s.trace_iteration(tmp_path / "trace.json")
     tracks, ops, processes = load_trace(tmp_path / "trace.json")
-    assert len(ops) == len(s._pass_ops() + s.update_ops) and all(e["dur"] >= 0 for e in ops)
+    assert len(ops) == len(s.pass_ops() + s.update_ops) and all(e["dur"] >= 0 for e in ops)
     # The replicas' workers, and the thread of the all-reduce and update ops.
     assert sorted(tracks.values()) == ["parameter server", "worker cpu:0/t0",
                                        "worker cpu:0/t1"]

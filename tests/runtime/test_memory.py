@@ -327,7 +327,7 @@ def test_training_with_shared_memory_is_bit_identical(name, mode, request):
         s = build_solver(param, share_memory=share, **kw)
         if share:
             poison(s)
-        losses = [s._iteration() for _ in range(3)]
+        losses = [s.iteration() for _ in range(3)]
         return s, losses
 
     plain, plain_losses = train(False)
@@ -341,11 +341,11 @@ def test_training_with_shared_memory_is_bit_identical(name, mode, request):
     for h, h2 in zip(plain._history(), shared._history()):
         assert np.array_equal(plain.net.dispatcher.array(h), shared.net.dispatcher.array(h2))
     if mode in ("threads3", "replicas2"):
-        ops = shared._pass_ops() + shared.update_ops
+        ops = shared.pass_ops() + shared.update_ops
         assert len({o.location for o in ops}) >= 3  # the threaded dispatcher ran
         assert_race_free(shared.net.graph, ops, plan.storage)
     if mode == "iter_size2":
-        passes = shared._pass_ops() + shared.accumulate_ops
+        passes = shared.pass_ops() + shared.accumulate_ops
         assert any(plan.storage.get(b) for o in passes for b in o.outputs)
     # The net's outputs and losses survive the iteration (the solver displays them).
     for n in shared.net.outputs:
@@ -391,7 +391,7 @@ def test_many_layer_types_train_alike_on_poisoned_shared_buffers(threads):
                                       max_iter=3), threads=threads, share_memory=share)
         if share:
             poison(s)
-        return s, [s._iteration() for _ in range(3)]
+        return s, [s.iteration() for _ in range(3)]
 
     plain, plain_losses = train(False)
     shared, shared_losses = train(True)
