@@ -109,11 +109,6 @@ def _datums(pixels: np.ndarray, labels: np.ndarray) -> list[bytes]:
     return encode_datums(pixels, [_label(b) for b in labels.tolist()])
 
 
-def _check_backend(backend: str) -> None:
-    if backends.get(backend) is None:
-        raise ConvertError(f"unknown backend '{backend}'; use {backends.names_text()}")
-
-
 def _check_new(db: str) -> None:
     """Caffe's db::NEW refuses an existing database; refused here before any input is read."""
     if os.path.lexists(db):
@@ -137,7 +132,7 @@ def convert_mnist_data(images: str | os.PathLike, labels: str | os.PathLike,
     label) under the key ``%08d`` (its index) in a new ``backend`` database ``db``,
     committed every 1000 records. Returns the record count."""
     log = log or get_logger()
-    _check_backend(backend)
+    backends.require(backend, ConvertError)
     _check_new(os.fspath(db))
     pixels, labels_ = _read_logged(images, labels, log)
     n, rows, cols = pixels.shape
@@ -190,7 +185,7 @@ def convert_mnist_siamese_data(images: str | os.PathLike, labels: str | os.PathL
     the same digit, 0 otherwise, under the key ``%08d``; a LevelDB as in Caffe (lmdb on
     request). Returns the record count."""
     log = log or get_logger()
-    _check_backend(backend)
+    backends.require(backend, ConvertError)
     _check_seed(seed)
     _check_new(os.fspath(db))
     pixels, labels_ = _read_logged(images, labels, log)
@@ -245,7 +240,7 @@ def convert_cifar_data(input_folder: str | os.PathLike, output_folder: str | os.
     and its label. Every input is checked before anything is written. Returns the train
     and test record counts."""
     log = log or get_logger()
-    _check_backend(db_type)
+    backends.require(db_type, ConvertError)
     input_folder, output_folder = os.fspath(input_folder), os.fspath(output_folder)
     train_paths = [os.path.join(input_folder, name) for name in CIFAR_TRAIN_FILES]
     test_path = os.path.join(input_folder, CIFAR_TEST_FILE)

@@ -66,9 +66,7 @@ def compute_image_mean(db: str | os.PathLike, output: str | os.PathLike | None =
     the result equals Caffe's float32 accumulation up to 65,793 images and is closer to the
     true mean beyond; float_data is summed in float64."""
     log = log or get_logger()
-    kind = backends.get(backend)
-    if kind is None:
-        raise ConvertError(f"unknown backend '{backend}'; use {backends.names_text()}")
+    kind = backends.require(backend, ConvertError)
     path = os.fspath(db)
     shape = None
     size = count = 0

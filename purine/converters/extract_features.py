@@ -69,8 +69,7 @@ def extract_features(weights: str | os.PathLike, model: str | os.PathLike,
     if len(blobs) != len(dbs):
         raise ConvertError(f"{len(blobs)} blob name(s) ({','.join(blobs)}) but {len(dbs)} "
                            f"database name(s) ({','.join(dbs)}): the counts must be equal")
-    if backends.get(backend) is None:
-        raise ConvertError(f"unknown database backend '{backend}'; use {backends.names_text()}")
+    backends.require(backend, ConvertError)
     if num_batches < 0:
         raise ConvertError(f"num_mini_batches must be 0 or more, got {num_batches}")
     seen = set()

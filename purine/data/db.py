@@ -167,6 +167,15 @@ def get(name: str) -> Backend | None:
     return _REGISTRY.get(name)
 
 
+def require(name: str, error: type[PurineError] = DataError) -> Backend:
+    """The backend named ``name``; ``error`` (the caller's error class) naming the
+    registered ones when there is none."""
+    found = _REGISTRY.get(name)
+    if found is None:
+        raise error(f"unknown backend '{name}'; use {names_text()}")
+    return found
+
+
 def by_enum(value: int) -> Backend:
     """The backend of a DataParameter.DB value."""
     for b in _REGISTRY.values():
@@ -191,10 +200,7 @@ def detect(path: str | os.PathLike) -> str | None:
 
 def open_source(path: str | os.PathLike, backend: str) -> DatumSource:
     """A Datum source of the backend named ``backend``."""
-    b = get(backend)
-    if b is None:
-        raise DataError(f"unknown database backend '{backend}'; expected {names_text()}")
-    return b.source(path)
+    return require(backend).source(path)
 
 
 # -- LMDB ---------------------------------------------------------------------------------

@@ -156,7 +156,7 @@ def test_the_command(tmp_path, model, capsys, monkeypatch):
         f"purine-caffe extract_features: {a}: already exists; remove it or choose another "
         "name (Caffe's tools never write into an existing database)")
     assert run("ip1", f"{tmp_path}/c", "1", "rocksdb") == 1
-    assert "unknown database backend 'rocksdb'; use lmdb or leveldb" in capsys.readouterr().err
+    assert "unknown backend 'rocksdb'; use lmdb or leveldb" in capsys.readouterr().err
     assert run("ip1", f"{tmp_path}/c", "1", "lmdb", "TPU") == 1
     assert "device 'TPU': expected CPU or GPU" in capsys.readouterr().err
     assert run("ip1", f"{tmp_path}/c", "-1", "lmdb") == 1

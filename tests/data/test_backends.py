@@ -135,7 +135,7 @@ def test_messages_name_every_registered_backend(tmp_path, folder_backend):
                                            r"nor a LevelDB \(a folder with CURRENT\) nor a "
                                            r"record folder \(FOLDERDB\)"):
         compute_image_mean(tmp_path / "x", backend="folder", log=Lines().log)
-    with pytest.raises(DataError, match="unknown database backend 'x'; expected lmdb, leveldb "
+    with pytest.raises(DataError, match="unknown backend 'x'; use lmdb, leveldb "
                                         "or folder"):
         db.open_source(tmp_path, "x")
 
