@@ -17,7 +17,7 @@ which gradients are needed (Caffe's need_backward / loss analysis)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -367,6 +367,14 @@ class LayerBuild:
 
     def needs_diff(self, i: int) -> bool:
         return self.bottom_need[i]
+
+    def zero_diff(self, bottoms: Iterable[int], op_type: str) -> None:
+        """Bottoms the layer reads but passes nothing down to (a shape, labels, ROIs): where
+        the net still wants their gradient, that gradient is zero."""
+        for i in bottoms:
+            if self.needs_diff(i):
+                self.backward(tensor.fill, [], [self.bottom_diff(i)], op_type=op_type,
+                              value=0.0)
 
     def needs_param_diff(self, k: int) -> bool:
         return self.param_need[k]

@@ -280,11 +280,9 @@ def crop(L: LayerBuild):
         if L.needs_diff(0):
             L.backward(arr.crop_backward, [L.top_diff(0)], [L.bottom_diff(0)],
                        offsets=offsets)
-        if L.needs_diff(1):
-            # Only the reference bottom's shape is used: its gradient is zero (Caffe
-            # leaves that diff untouched).
-            L.backward(tensor.fill, [], [L.bottom_diff(1)], op_type="CropZeroDiff",
-                       value=0.0)
+        # Only the reference bottom's shape is used: its gradient is zero (Caffe leaves
+        # that diff untouched).
+        L.zero_diff((1,), "CropZeroDiff")
     return backward
 
 
@@ -332,10 +330,7 @@ def silence(L: LayerBuild):
     L.expect((1, None), 0)
 
     def backward():
-        for i in range(len(L.bottoms)):
-            if L.needs_diff(i):
-                L.backward(tensor.fill, [], [L.bottom_diff(i)], op_type="SilenceBackward",
-                           value=0.0)
+        L.zero_diff(range(len(L.bottoms)), "SilenceBackward")
     return backward
 
 

@@ -30,7 +30,6 @@ from purine.data.transformer import Transformer
 from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.log import get_logger
-from purine.ops import tensor
 
 if TYPE_CHECKING:
     from purine.caffe.net import Net
@@ -355,8 +354,5 @@ def hdf5_output_layer(L: LayerBuild):
     L.no_force_backward.update((0, 1))
 
     def backward():
-        for i in range(2):
-            if L.needs_diff(i):
-                L.backward(tensor.fill, [], [L.bottom_diff(i)], op_type="HDF5OutputBackward",
-                           value=0.0)
+        L.zero_diff(range(2), "HDF5OutputBackward")
     return backward

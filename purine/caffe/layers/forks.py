@@ -26,13 +26,6 @@ def _four_axes(L: LayerBuild, i: int) -> Blob:
     return b
 
 
-def _zero_diff(L: LayerBuild, i: int, why: str) -> None:
-    """The fork passes nothing down to bottom ``i`` (it only reads its shape or values):
-    where the net still wants its gradient, that gradient is zero."""
-    if L.needs_diff(i):
-        L.backward(tensor.fill, [], [L.bottom_diff(i)], op_type=why, value=0.0)
-
-
 # -- Interp (DeepLab v2, PSPNet) ------------------------------------------------------------
 def _interp_size(L: LayerBuild, h: int, w: int) -> tuple[int, int]:
     """The fork's output size from the cropped input size (h, w), rules tried in its order:
@@ -90,7 +83,7 @@ def interp_layer(L: LayerBuild):
         if L.needs_diff(0):
             L.backward(interp.interp_backward, [L.top_diff(0)], [L.bottom_diff(0)], crop=crop)
         if len(L.bottoms) == 2:
-            _zero_diff(L, 1, "InterpZeroDiff")
+            L.zero_diff((1,), "InterpZeroDiff")
     return backward
 
 
@@ -229,7 +222,7 @@ def upsample_layer(L: LayerBuild):
     def backward():
         if L.needs_diff(0):
             L.backward(interp.upsample_backward, [L.top_diff(0), mask], [L.bottom_diff(0)])
-        _zero_diff(L, 1, "UpsampleZeroDiff")
+        L.zero_diff((1,), "UpsampleZeroDiff")
     return backward
 
 

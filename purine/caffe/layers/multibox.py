@@ -16,7 +16,6 @@ from purine.data.prefetch import Prefetcher
 from purine.formats import caffe_pb2 as pb
 from purine.log import get_logger
 from purine.ops import multibox as mb
-from purine.ops import tensor
 
 _MB = pb.MultiBoxLossParameter
 _SKIP = 0x5C1B  # the rand_skip draw's stream, as the Data layer's
@@ -127,8 +126,7 @@ def multibox_loss(L: LayerBuild):
                     raise L.error(f"cannot backpropagate to the {what} input "
                                   f"'{L.param.bottom[i]}'; set its propagate_down to false")
                 # Without propagate_down the fork's default leaves it out: a zero gradient.
-                L.backward(tensor.fill, [], [L.bottom_diff(i)], op_type="MultiBoxLossBackward",
-                           value=0.0)
+                L.zero_diff((i,), "MultiBoxLossBackward")
     return backward
 
 

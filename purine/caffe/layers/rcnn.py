@@ -8,7 +8,7 @@ from purine.caffe.facts import DEPLOY
 from purine.caffe.layer import LayerBuild, register
 from purine.caffe.layers.loss import _loss_layer
 from purine.graph import Blob
-from purine.ops import roi, tensor
+from purine.ops import roi
 
 # py-faster-rcnn's anchors when the prototxt lists none (OpenCV requires them).
 FAST_RCNN = "Fast R-CNN, rbgirshick/caffe-fast-rcnn"  # the fork of ROIPooling, SmoothL1Loss
@@ -32,15 +32,6 @@ def _rois(L: LayerBuild) -> Blob:
     return r
 
 
-def _no_gradient(L: LayerBuild, bottoms: range | tuple[int, ...]) -> None:
-    """Zero gradients for bottoms the fork's layer never differentiates (ROIs, weights,
-    image sizes), so that a net whose other branches need them still sums right."""
-    for i in bottoms:
-        if L.needs_diff(i):
-            L.backward(tensor.fill, [], [L.bottom_diff(i)], op_type=f"{L.type}NoGradient",
-                       value=0.0)
-
-
 @register("ROIPooling", fork=FAST_RCNN, export="roi_pooling")
 def roi_pooling(L: LayerBuild):
     L.expect(2, 1)
@@ -60,7 +51,7 @@ def roi_pooling(L: LayerBuild):
         if L.needs_diff(0):
             L.backward(roi.roi_pool_backward, [rois, argmax, L.top_diff(0)],
                        [L.bottom_diff(0)], layer=L.param.name)
-        _no_gradient(L, (1,))
+        L.zero_diff((1,), f"{L.type}NoGradient")
     return backward
 
 
@@ -89,7 +80,7 @@ def psroi_pooling(L: LayerBuild):
         if L.needs_diff(0):
             L.backward(roi.psroi_pool_backward, [rois, L.top_diff(0)], [L.bottom_diff(0)],
                        **k)
-        _no_gradient(L, (1,))
+        L.zero_diff((1,), f"{L.type}NoGradient")
     return backward
 
 
@@ -119,7 +110,7 @@ def smooth_l1_loss(L: LayerBuild):
             if L.needs_diff(i):
                 L.backward(roi.smooth_l1_loss_backward, [*L.bottoms, L.top_diff(0)],
                            [L.bottom_diff(i)], sigma=sigma, sign=sign)
-        _no_gradient(L, range(2, len(L.bottoms)))
+        L.zero_diff(range(2, len(L.bottoms)), f"{L.type}NoGradient")
     return backward
 
 
@@ -157,5 +148,6 @@ def proposal(L: LayerBuild):
     L.no_force_backward.update((0, 1, 2))
 
     def backward():
-        _no_gradient(L, (0, 1, 2))  # as py-faster-rcnn's layer: no gradient passes
+        # as py-faster-rcnn's layer: no gradient passes
+        L.zero_diff((0, 1, 2), f"{L.type}NoGradient")
     return backward
