@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 
 import cv2
 import numpy as np
@@ -471,7 +470,6 @@ def iou(a, b) -> float:
 
 
 def test_tiny_ssd_learns_the_boxes(tmp_path):
-    start = time.perf_counter()
     db, _ = write_dataset(tmp_path / "train", 200, seed=10)
     rng = np.random.default_rng(99)
     scenes = [draw_scene(rng) for _ in range(20)]  # held out, drawn the same way
@@ -501,4 +499,3 @@ def test_tiny_ssd_learns_the_boxes(tmp_path):
             found += any(d[1] == label and iou(d[3:7], want) > 0.5 for d in mine)
     total = sum(len(b) for _, b in scenes)
     assert found >= 0.8 * total, f"found {found} of {total} boxes"
-    assert time.perf_counter() - start < 120
