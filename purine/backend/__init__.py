@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -293,18 +294,51 @@ def allocate(location: Location, shape: tuple[int, ...], dtype: str) -> Any:
     return xp.zeros(shape, dtype=dtype)
 
 
+@dataclass(frozen=True)
+class StreamPart:
+    """Part ``index`` of ``count`` equal parts along ``axis`` of a layer's draws: what a
+    tower (channels) or a replica (batch rows) of a rewritten layer holds of the layer."""
+
+    axis: int
+    index: int
+    count: int
+
+
+# Skipping over the draws between two runs of a part costs a Python call (about 2.5 us, as
+# much as drawing some 800 doubles): below this gap the runs and gaps are drawn together.
+SKIP_GAP = 1024
+
+
 class RandomStream:
     """The random numbers of one op: its n-th draw comes from a generator seeded with
     (seed, key, n). The draw count is all the state there is, so a resumed run that restores
-    it continues the stream exactly, whatever order ops ran in."""
+    it continues the stream exactly, whatever order ops ran in.
 
-    def __init__(self, seed: int, key: int):
-        self.seed, self.key, self.count = seed, key, 0
+    A stream with a ``part`` belongs to a tower or replica of a layer: ``uniform`` gives
+    exactly its part of what the whole layer's stream (the same seed and key) draws, so the
+    split net draws the unsplit net's numbers."""
+
+    def __init__(self, seed: int, key: int, part: StreamPart | None = None):
+        self.seed, self.key, self.count, self.part = seed, key, 0, part
 
     def next(self) -> np.random.Generator:
-        g = np.random.default_rng([self.seed, self.key, self.count])
+        """The next draw's generator. A part's is its own (the parts of a layer whose op
+        draws through ``next`` draw independently, not the whole layer's numbers)."""
+        own = [] if self.part is None or self.part.count == 1 else \
+            [self.part.axis, self.part.index, self.part.count]
+        g = np.random.default_rng([self.seed, self.key, self.count, *own])
         self.count += 1
         return g
+
+    def uniform(self, shape: tuple[int, ...]) -> np.ndarray:
+        """The next draw as float64 uniforms in [0, 1) of ``shape`` (C order): the whole
+        layer's ``next().random(shape)``, or for a part the part's elements of the whole
+        layer's draw (whose shape is ``shape`` with the part's axis ``count`` times longer)."""
+        g = np.random.default_rng([self.seed, self.key, self.count])  # the whole layer's
+        self.count += 1
+        if self.part is None or self.part.count == 1:
+            return g.random(shape)
+        return _part_uniform(g, tuple(int(d) for d in shape), self.part)
 
     def state(self) -> dict:
         return {"count": self.count}
@@ -314,6 +348,45 @@ class RandomStream:
         if count < 0:  # the generator's seed sequence takes no negative entry
             raise ValueError(f"count {count} is below 0")
         self.count = count
+
+
+def stream_key(index: int, n: int) -> int:
+    """The key of the ``n``-th random stream of the layer at ``index`` in its net (after
+    Caffe's Split layers are inserted; purine.caffe.layer.LayerBuild.random_stream): with
+    the net's seed it names the stream's draws."""
+    return 1_000_003 * (index + 1) + n
+
+
+def random_stream_key(state_key: str) -> tuple[str, int] | None:
+    """(layer name, n) of the state key a net registers its layers' random streams under
+    (``<layer>/random#<n>``), else None."""
+    layer, _, tail = state_key.rpartition("/random#")
+    return (layer, int(tail)) if layer and tail.isdecimal() else None
+
+
+def _part_uniform(g: np.random.Generator, shape: tuple[int, ...], part: StreamPart
+                  ) -> np.ndarray:
+    """Part ``part`` of ``g.random(whole)``, drawing only what it must: each double is one
+    64-bit output of the PCG64 generator, so skipping k of them is ``advance(k)``. The part
+    is ``runs`` contiguous runs of ``run`` elements, ``stride`` apart in the whole draw."""
+    if not 0 <= part.axis < len(shape):
+        raise PurineError(f"a stream part along axis {part.axis} of a draw of shape {shape}")
+    inner = int(np.prod(shape[part.axis + 1:], dtype=np.int64))
+    runs = int(np.prod(shape[:part.axis], dtype=np.int64))
+    run = shape[part.axis] * inner
+    stride = run * part.count
+    bits = g.bit_generator
+    bits.advance(part.index * run)
+    if runs == 1:  # a replica's rows: one run
+        return g.random(shape)
+    if stride - run < SKIP_GAP:  # short gaps: draw runs and gaps, keep the runs
+        return np.ascontiguousarray(g.random((runs, stride))[:, :run]).reshape(shape)
+    out = np.empty((runs, run))
+    for i in range(runs):  # one call per run (a batch row), skipping the other parts
+        if i:
+            bits.advance(stride - run)
+        g.random(out=out[i])
+    return out.reshape(shape)
 
 
 _HOST_POOL: ThreadPoolExecutor | None = None

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from purine.backend import RandomStream
+from purine.backend import RandomStream, stream_key
 from purine.caffe.facts import declare
 from purine.errors import LayerError, PurineError
 from purine.formats import caffe_pb2 as pb
@@ -335,12 +335,15 @@ class LayerBuild:
 
     def random_stream(self) -> RandomStream:
         """A stream for an op that draws at every run (Dropout, DummyData); the net keeps
-        it so that a snapshot can save how far it has gone."""
+        it so that a snapshot can save how far it has gone. Its key is ``stream_key`` of
+        the layer's index in the net; a net rewritten for parallelism (towers, replicas)
+        re-keys its layers' streams by the layer of the user's net each one is, or is a
+        part of (purine.parallel.placement.SplitNet.key_streams)."""
         n, self._streams = self._streams, self._streams + 1
         kept = self.kept(f"random#{n}")
         if kept is not None:
             return kept
-        s = RandomStream(self.net.seed, 1_000_003 * (self.index + 1) + n)
+        s = RandomStream(self.net.seed, stream_key(self.index, n))
         self.keep_state(f"random#{n}", s)
         return s
 

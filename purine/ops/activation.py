@@ -321,7 +321,7 @@ def _dropout_scale(ratio: float, scale_train: bool) -> float:
 def _dropout_forward_gpu(x: Array, y: Array, mask: Array, *, ratio: float,
                          rng: RandomStream, scale_train: bool = True) -> None:
     xp = get_array_module(x)
-    draw = (rng.next().random(x.shape) < 1.0 - ratio).astype(mask.dtype)
+    draw = (rng.uniform(x.shape) < 1.0 - ratio).astype(mask.dtype)
     if mask.flags.c_contiguous:
         mask.set(draw, stream=xp.cuda.get_current_stream())
     else:
@@ -338,8 +338,9 @@ def dropout_forward(x: Array, y: Array, mask: Array, *, ratio: float,
     The mask is drawn from the layer's own host stream at every call (then moved to the
     array's device), so a net gives the same masks on every device and thread schedule. On a
     GPU that costs a host-to-device copy of the mask (one byte per element) per call, queued
-    on the op's stream."""
-    mask[...] = np.asarray(rng.next().random(x.shape) < 1.0 - ratio)
+    on the op's stream. A tower or replica of the layer draws its part of the whole layer's
+    mask (``RandomStream.uniform``), so a split net drops what the unsplit net drops."""
+    mask[...] = rng.uniform(x.shape) < 1.0 - ratio
     np.multiply(x, mask, out=y)
     if scale_train:
         y *= 1.0 / (1.0 - ratio)

@@ -20,7 +20,7 @@ from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import load_weights
 from purine.formats.hdf5_snapshot import is_hdf5, read_weights
-from purine.graph import CPU, Blob, Location
+from purine.graph import CPU, Blob, Location, Stateful
 from purine.parallel.placement import REPLICAS, SplitNet, read_placement, split_towers
 
 Placement = Mapping[str, Location | str | Sequence[Location | str]]  # str: REPLICAS
@@ -109,10 +109,16 @@ class ModelParallel(Scheme):
         host = self.comm.rank if self.comm is not None and train else None
         net = Net(split.net, placement=placement, replica_of=split.replica_of, host=host,
                   **kwargs)
+        # Random streams keyed by the user's layers, not by their places in the new net:
+        # towers and replicas draw their parts of the unsplit net's Dropout masks.
+        split.key_streams(net.builder.stateful)
         if host is not None:
             net.dispatcher.transport = self.messages
             self._check_root(net, split)
             self._hosts = {L.name: L.location.host for L in net.builder.layers}
+            for L in net.builder.layers:  # a split layer's snapshot entry: its first part's
+                self._hosts.setdefault(split.origin.get(L.name, (L.name,))[0],
+                                       L.location.host)
         self._splits.append((net, split))
         return net
 
@@ -135,6 +141,12 @@ class ModelParallel(Scheme):
 
     def agree(self, action: str) -> str:
         return action if self.comm is None else self.ranks.agree(action)
+
+    def state_objects(self, solver: Any) -> dict[str, Stateful]:
+        """The run-time state under the unsplit net's keys: the random streams of a layer's
+        towers or replicas are one entry, the layer's (SplitNet.unsplit_states)."""
+        objects = super().state_objects(solver)
+        return self.split_of(solver.net).unsplit_states(objects)
 
     def gather_state(self, private: dict) -> dict | None:
         """Rank 0's private state, with each rank's run-time state (random streams, data

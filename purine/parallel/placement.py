@@ -28,14 +28,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from purine.backend import RandomStream, StreamPart, random_stream_key, stream_key
 from purine.caffe.facts import CHANNELS, SplitRefused, TowerSplit, facts, types_with
 from purine.errors import LayerError, ProtoError, PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import load_weights, save_net
 from purine.formats.hdf5_snapshot import write_weights
-from purine.formats.prototxt import filter_net, read_net
+from purine.formats.prototxt import filter_net, insert_splits, read_net
 from purine.formats.weights import fit_shape, layer_arrays
-from purine.graph import CPU, Location
+from purine.graph import CPU, Location, Stateful
 
 if TYPE_CHECKING:
     from purine.caffe.net import Net
@@ -179,6 +180,45 @@ class SplitNet:
     replica_of: dict[str, str] = field(default_factory=dict)
     batched: frozenset[str] = frozenset()  # blobs held as the replicas' parts of the batch
     replicated: bool = False  # some layers run once per replica (hybrid parallelism)
+    # each layer of the new net that is (a part of) a layer of the original: its name
+    # there, and which part of the layer's draws it makes (None: all of them)
+    origin: dict[str, tuple[str, StreamPart | None]] = field(default_factory=dict)
+
+    def key_streams(self, stateful: Mapping[str, Stateful]) -> None:
+        """Key the random streams of a Net of the split net (its builder's ``stateful``,
+        before its first pass) by what each layer is in the original net: a layer's
+        stream becomes the one the unsplit net's layer of that name has (its index there,
+        the same seed), and a tower's or replica's draws its part of that layer's draws
+        (``RandomStream.uniform``). Dropout then drops in the split net what it drops in
+        the unsplit net, whatever the placement."""
+        index: dict[str, int] = {}
+        for i, lp in enumerate(insert_splits(self.original).layer):
+            index.setdefault(lp.name, i)
+        for key, obj in stateful.items():
+            got = random_stream_key(key)
+            if got is None or not isinstance(obj, RandomStream):
+                continue
+            layer, n = got
+            name, part = self.origin.get(layer, (None, None))
+            if name in index:
+                obj.key, obj.part = stream_key(index[name], n), part
+
+    def unsplit_states(self, objects: Mapping[str, Stateful]) -> dict[str, Stateful]:
+        """``objects`` (the train net's run-time state by key) with the random streams of
+        the towers and replicas of a layer under the original layer's key, as one object:
+        a snapshot holds the unsplit net's keys, which unsplit and split runs restore."""
+        out: dict[str, Stateful] = {}
+        groups: dict[str, list[RandomStream]] = {}
+        for key, obj in objects.items():
+            got = random_stream_key(key)
+            name = self.origin.get(got[0], (None,))[0] if got else None
+            if name is None or not isinstance(obj, RandomStream):
+                out[key] = obj
+                continue
+            groups.setdefault(f"{name}/random#{got[1]}", []).append(obj)
+        for key, streams in groups.items():
+            out[key] = streams[0] if len(streams) == 1 else _Streams(streams)
+        return out
 
     def split_params(self, params: Mapping[str, Sequence[np.ndarray]]
                      ) -> dict[str, list[np.ndarray]]:
@@ -278,6 +318,22 @@ class SplitNet:
         return a if fit is None else fit
 
 
+class _Streams:
+    """The streams of a layer's towers or replicas as one snapshot entry: they draw once per
+    pass each, so the count of the furthest one (an MPI rank advances only its own) is
+    the layer's."""
+
+    def __init__(self, streams: Sequence[RandomStream]):
+        self.streams = list(streams)
+
+    def state(self) -> dict:
+        return {"count": max(s.count for s in self.streams)}
+
+    def restore(self, state: dict) -> None:
+        for s in self.streams:
+            s.restore(state)
+
+
 @dataclass
 class _Value:
     """The current forms of one blob of the original net in the split net: whole copies at
@@ -304,6 +360,7 @@ class _Rewrite:
         self.new_layers: set[str] = set()
         self.new_blobs: set[str] = set()
         self.replica_of: dict[str, str] = {}
+        self.origin: dict[str, tuple[str, StreamPart | None]] = {}
 
     # -- names ---------------------------------------------------------------------------
     def _fresh(self, base: str, taken: set[str], reserved: set[str], own: str = "") -> str:
@@ -406,6 +463,7 @@ class _Rewrite:
             else:
                 self.values[t] = _Value([(t, at)])
         self.add(new, loc)
+        self.origin[new.name] = (lp.name, None)
 
     def replicate(self, lp: pb.LayerParameter, locs: Sequence[Location]) -> None:
         """Data parallelism inside the net: copy r of the layer runs at ``locs[r]`` on part r
@@ -443,6 +501,7 @@ class _Rewrite:
                 copy.top[j] = tops[j][r]
             self.add(copy, locs[r])
             self.replica_of[names[r]] = lp.name
+            self.origin[names[r]] = (lp.name, StreamPart(0, r, n))  # rows r of n
         for j, t in enumerate(lp.top):
             self.values[t] = _Value([], batch=list(zip(tops[j], locs, strict=True)))
 
@@ -509,6 +568,7 @@ class _Rewrite:
             if how.tower is not None:
                 how.tower(tower)
             self.add(tower, locs[k])
+            self.origin[names[k]] = (lp.name, StreamPart(1, k, n))  # its top's channels
         self.values[y] = _Value([], list(zip(outputs, locs, strict=True)))
         self.towers[lp.name] = Towers(names, list(how.axes))
 
@@ -598,7 +658,7 @@ def split_towers(net_param: pb.NetParameter,
             if v.parts is None:
                 batched.add(name)
     return SplitNet(r.out, r.placement, r.towers, blobs, param, r.replica_of,
-                    frozenset(batched), replicated)
+                    frozenset(batched), replicated, r.origin)
 
 
 def place(net_param: pb.NetParameter, path: str | os.PathLike, *, phase: int = pb.TRAIN,

@@ -42,7 +42,7 @@ def image_db(tmp_path_factory):
 
 def alexnet_solver(db: str, **fields) -> pb.SolverParameter:
     """Caffe's AlexNet solver on 67x67 images (pool5 is 1x1), fc6 and fc7 narrowed to 256
-    outputs, without Dropout (its masks are drawn per layer, which towers renumber) and
+    outputs, without Dropout (test_dropout_invariance.py trains the net with it) and
     without the TEST net."""
     net = read_net(ALEXNET / "train_val.prototxt")
     layers = [lp for lp in net.layer if lp.type != "Dropout" and "TEST" not in str(lp.include)]
