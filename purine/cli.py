@@ -52,7 +52,7 @@ def cmd_time(args: argparse.Namespace) -> int:
 
     log = get_logger()
     gpus = _gpus(args)
-    model, placement = args.model, None
+    model, placement, split = args.model, None, None
     if args.placement:
         from purine.formats.prototxt import read_net
         from purine.parallel.placement import place
@@ -64,6 +64,8 @@ def cmd_time(args: argparse.Namespace) -> int:
                  len(placement), len(split.towers))
     with Net(model, phase=TRAIN, level=args.level, stages=_stages(args.stage),
              threads=args.threads, placement=placement, location=_location(gpus)) as net:
+        if split is not None:  # the towers draw their parts of each Dropout mask, as in train
+            split.key_streams(net.builder.stateful)
         time_net(net, args.iterations, log)  # Caffe's passes and lines
     return 0
 

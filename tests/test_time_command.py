@@ -111,3 +111,20 @@ def test_lines_and_figures_relate_as_caffes(tmp_path, capsys):
     assert sum(b for _, _, b in t["layers"]) <= t["backward"] * (1 + 1e-4)
     conv = dict((name, (f, b)) for name, f, b in t["layers"])["conv"]
     assert conv[0] > 0 and conv[1] > 0
+
+
+def test_time_with_a_placement_splits_dropout_into_towers(tmp_path, capsys):
+    """The towers' Dropout streams are keyed as in ``train`` (the placed net's own draws)."""
+    net = NET.replace('layer { name: "ip"', 'layer { name: "drop" type: "Dropout" bottom: "pool" '
+                      'top: "pool" dropout_param { dropout_ratio: 0.5 } }\nlayer { name: "ip"')
+    (tmp_path / "net.prototxt").write_text(net)
+    (tmp_path / "two.placement").write_text(
+        'layer { name: "conv" location: "cpu:0" location: "cpu:1" }\n'
+        'layer { name: "relu" location: "cpu:0" location: "cpu:1" }\n'
+        'layer { name: "pool" location: "cpu:0" location: "cpu:1" }\n'
+        'layer { name: "drop" location: "cpu:0" location: "cpu:1" }\n')
+    assert main(["time", "--model", str(tmp_path / "net.prototxt"), "--placement",
+                 str(tmp_path / "two.placement"), "--iterations", "2"]) == 0
+    t = parse_caffe_time(capsys.readouterr().err)
+    assert len(t["iterations"]) == 2
+    assert {"drop/tower0", "drop/tower1"} <= {name for name, *_ in t["layers"]}
