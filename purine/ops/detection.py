@@ -252,12 +252,13 @@ NMS_MATRIX = 1024  # candidates up to which nms computes all their overlaps at o
 
 def nms(boxes: Array, scores: Array, *, nms_threshold: float,
         score_threshold: float = -math.inf, eta: float = 1.0, top_k: int = -1,
-        normalized: bool = True) -> Array:
+        normalized: bool = True, max_keep: int | None = None) -> Array:
     """The fork's ApplyNMSFast: the indices of the boxes kept, best score first. Candidates
     are the scores above ``score_threshold``, sorted by score (ties by index), the first
     ``top_k`` of them when top_k > -1; one is kept when its overlap with every box kept
     before it is at most the threshold, which is multiplied by ``eta`` after each keep while
-    it is above 0.5. The loop runs once per kept box: between two keeps the threshold and
+    it is above 0.5; at most ``max_keep`` are kept (None: no limit). The loop runs once per
+    kept box: between two keeps the threshold and
     the kept set stay fixed, so the next keep is the first candidate whose largest overlap
     with the kept boxes is within the threshold."""
     xp = get_array_module(boxes, scores)
@@ -273,7 +274,7 @@ def nms(boxes: Array, scores: Array, *, nms_threshold: float,
     threshold = np.float32(nms_threshold)  # the fork keeps it in single precision
     kept: list[int] = []
     start = 0
-    while start < m:
+    while start < m and (max_keep is None or len(kept) < max_keep):
         ok = worst[start:] <= threshold
         j = int(xp.argmax(ok))
         if not bool(ok[j]):

@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import get_array_module, scatter_add, stable_argsort
+from purine.backend import get_array_module, scatter_add
 from purine.errors import PurineError
+from purine.ops.detection import CENTER_SIZE, decode_boxes, nms
 
 Array = Any
 
@@ -250,16 +251,6 @@ def anchor_sizes(base_size: int, ratios: list[float], scales: list[float]
     return tuple(widths), tuple(heights)
 
 
-def _overlap(xp: Any, box: Array, area: Array, boxes: Array, areas: Array) -> Array:
-    """Caffe's unnormalized IoU of one box with many: cell counts (+1 per side), 0 for boxes
-    that do not meet."""
-    iw = xp.minimum(box[2], boxes[:, 2]) - xp.maximum(box[0], boxes[:, 0])
-    ih = xp.minimum(box[3], boxes[:, 3]) - xp.maximum(box[1], boxes[:, 1])
-    inter = (iw + 1) * (ih + 1)
-    meet = (iw >= 0) & (ih >= 0)
-    return xp.where(meet, inter / (area + areas - inter), 0)
-
-
 def proposal_forward(scores: Array, deltas: Array, im_info: Array, *tops: Array,
                      feat_stride: int, base_size: int, widths: tuple[float, ...],
                      heights: tuple[float, ...], pre_nms_topn: int, post_nms_topn: int,
@@ -285,34 +276,18 @@ def proposal_forward(scores: Array, deltas: Array, im_info: Array, *tops: Array,
     y1 = xp.broadcast_to(cy - half_h, (h, w, a)).reshape(-1)
     x2 = xp.broadcast_to(cx + half_w - f(1), (h, w, a)).reshape(-1)
     y2 = xp.broadcast_to(cy + half_h - f(1), (h, w, a)).reshape(-1)
-    # CENTER_SIZE decoding with unnormalized (+1) prior sizes.
-    pw, ph = x2 - x1 + f(1), y2 - y1 + f(1)
-    ctr_x = delta[:, 0] * pw + (x1 + pw * f(0.5))
-    ctr_y = delta[:, 1] * ph + (y1 + ph * f(0.5))
-    half_bw = xp.exp(delta[:, 2]) * pw * f(0.5)
-    half_bh = xp.exp(delta[:, 3]) * ph * f(0.5)
+    priors = xp.stack([x1, y1, x2, y2], axis=1)
+    decoded = decode_boxes(delta, priors, None, code_type=CENTER_SIZE,
+                           variance_encoded_in_target=True, normalized=False)
     info = [float(v) for v in im_info.reshape(-1)[:2]]
     xmax, ymax = f(int(info[1]) - 1), f(int(info[0]) - 1)
-    boxes = xp.stack([xp.maximum(xp.minimum(ctr_x - half_bw, xmax), 0),
-                      xp.maximum(xp.minimum(ctr_y - half_bh, ymax), 0),
-                      xp.maximum(xp.minimum(ctr_x + half_bw, xmax), 0),
-                      xp.maximum(xp.minimum(ctr_y + half_bh, ymax), 0)], axis=1).astype(dt)
-    areas = (boxes[:, 2] - boxes[:, 0] + f(1)) * (boxes[:, 3] - boxes[:, 1] + f(1))
-    candidates = xp.nonzero(score > 0)[0]
-    order = candidates[stable_argsort(-score[candidates])][:max(pre_nms_topn, 0)]
-    boxes, areas, kept_scores = boxes[order], areas[order], score[order]
-    keep: list[int] = []
-    alive = xp.arange(order.shape[0])
-    thresh = f(nms_thresh)
-    while alive.shape[0] and len(keep) < post_nms_topn:
-        i = int(alive[0])
-        keep.append(i)
-        rest = alive[1:]
-        alive = rest[_overlap(xp, boxes[i], areas[i], boxes[rest], areas[rest]) <= thresh]
-    k = xp.asarray(keep, dtype=xp.int64)
+    limit = xp.asarray([xmax, ymax, xmax, ymax], dtype=dt)
+    boxes = xp.maximum(xp.minimum(decoded, limit), 0).astype(dt)
+    keep = nms(boxes, score, nms_threshold=nms_thresh, score_threshold=0,
+               top_k=max(pre_nms_topn, 0), max_keep=max(post_nms_topn, 0), normalized=False)
     rois = tops[0]
     rois[...] = 0
-    rois[:len(keep), 1:] = boxes[k]
+    rois[:len(keep), 1:] = boxes[keep]
     if len(tops) > 1:
         tops[1][...] = 0
-        tops[1][:len(keep)] = kept_scores[k].reshape(-1, *tops[1].shape[1:])
+        tops[1][:len(keep)] = score[keep].reshape(-1, *tops[1].shape[1:])
