@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -303,39 +302,40 @@ def build_solver(path: str | os.PathLike, stand_in: Mapping[str, Sequence[int]] 
 # -- writing ------------------------------------------------------------------------------
 def write(text: str, output: str | os.PathLike) -> None:
     """Write dot ``text`` to ``output``: as is for .dot/.gv, rendered by Graphviz's ``dot``
-    for .svg/.png/.pdf (to a temporary file, then renamed)."""
+    for .svg/.png/.pdf (written whole or not at all)."""
     path = os.fspath(output)
     suffix = os.path.splitext(path)[1].lower()
     if suffix in TEXT_SUFFIXES:
-        try:
-            atomic_write(path, text.encode("utf-8"))
-        except OSError as e:
-            raise DrawError(f"{path}: cannot write: {e.strerror}") from None
-        return
-    fmt = suffix[1:]
-    if fmt not in RENDERED:
+        data = text.encode("utf-8")
+    elif suffix[1:] in RENDERED:
+        data = render(text, suffix[1:], where=path,
+                      instead="write a .dot file and render it elsewhere")
+    else:
         names = [*TEXT_SUFFIXES, *("." + r for r in RENDERED)]
         raise DrawError(f"{path}: the output must end in {', '.join(names[:-1])} or "
                         f"{names[-1]}")
+    try:
+        atomic_write(path, data)
+    except OSError as e:
+        raise DrawError(f"{path}: cannot write: {e.strerror}") from None
+
+
+def render(text: str, fmt: str, *, where: str, instead: str,
+           missing: type[DrawError] = DrawError) -> bytes:
+    """Dot ``text`` rendered by Graphviz's ``dot`` in format ``fmt`` (png, svg, ...).
+    Errors name ``where``; without Graphviz, ``missing`` says to install it or ``instead``."""
     dot = shutil.which("dot")
     if dot is None:
-        raise DrawError(f"{path}: rendering .{fmt} needs Graphviz's 'dot' program, which is "
-                        "not installed; install Graphviz (e.g. apt-get install graphviz, brew "
-                        "install graphviz) or write a .dot file and render it elsewhere")
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=f".{fmt}",
-                               dir=folder)
-    os.close(fd)
-    try:
-        done = subprocess.run([dot, f"-T{fmt}", "-o", tmp], input=text.encode("utf-8"),
-                              capture_output=True, check=False)
-        if done.returncode != 0:
-            why = done.stderr.decode("utf-8", "replace").strip()
-            raise DrawError(f"{path}: dot failed (exit {done.returncode}): {why}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        raise missing(f"{where}: rendering .{fmt} needs Graphviz's 'dot' program, which is "
+                      "not installed; install Graphviz (e.g. apt-get install graphviz, brew "
+                      f"install graphviz) or {instead}")
+    done = subprocess.run([dot, f"-T{fmt}"], input=text.encode("utf-8"), capture_output=True,
+                          check=False)
+    if done.returncode != 0:
+        why = done.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise DrawError(f"{where}: dot -T{fmt} failed (exit {done.returncode}): "
+                        f"{why[0] if why else 'no message'}")
+    return done.stdout
 
 
 def draw(output: str | os.PathLike, *, model: str | os.PathLike | None = None,

@@ -5,12 +5,10 @@ Graphviz's ``dot``. pydot is imported on first use, so ``import caffe.draw`` wor
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from typing import Any
 
 from purine.caffe.facts import facts
-from purine.draw import LAYER_DEFAULT_COLOUR, DrawError, layer_colour, quote
+from purine.draw import LAYER_DEFAULT_COLOUR, DrawError, layer_colour, quote, render
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import atomic_write
 from purine.formats.upgrade import upgrade_net
@@ -163,29 +161,16 @@ def get_pydot_graph(caffe_net: pb.NetParameter, rankdir: str, label_edges: bool 
     return graph
 
 
-def _render(text: str, ext: str) -> bytes:
-    dot = shutil.which("dot")
-    if dot is None:
-        raise GraphvizMissingError(
-            f"caffe.draw: rendering '{ext}' needs Graphviz's 'dot' program, which is not "
-            "installed; install Graphviz (e.g. apt-get install graphviz, brew install "
-            "graphviz), or ask for ext 'raw' to get the dot text")
-    done = subprocess.run([dot, f"-T{ext}"], input=text.encode("utf-8"), capture_output=True,
-                          check=False)
-    if done.returncode != 0:
-        why = done.stderr.decode("utf-8", "replace").strip().splitlines()
-        raise DrawError(f"caffe.draw: dot -T{ext} failed (exit {done.returncode}): "
-                        f"{why[0] if why else 'no message'}")
-    return done.stdout
-
-
 def draw_net(caffe_net: pb.NetParameter, rankdir: str, ext: str = "png",
              phase: int | None = None, display_lrm: bool = False) -> bytes:
     """The drawing of ``caffe_net`` in Graphviz output format ``ext`` (png, svg, pdf, ...);
     ``raw``: the dot text itself, without Graphviz."""
     graph = get_pydot_graph(caffe_net, rankdir, phase=phase, display_lrm=display_lrm)
     text = graph.to_string()
-    return text.encode("utf-8") if ext == "raw" else _render(text, ext)
+    if ext == "raw":
+        return text.encode("utf-8")
+    return render(text, ext, where="caffe.draw", instead="ask for ext 'raw' to get the dot text",
+                  missing=GraphvizMissingError)
 
 
 def draw_net_to_file(caffe_net: pb.NetParameter, filename: str | os.PathLike,
