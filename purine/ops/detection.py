@@ -5,6 +5,7 @@ Boxes are (..., 4) arrays of (xmin, ymin, xmax, ymax) in image-normalized coordi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -152,9 +153,18 @@ def prior_box_forward(y: Array, *, layer_h: int, layer_w: int, img_h: int, img_w
                       sizes: Sequence[tuple[float, float]], step_h: float, step_w: float,
                       offset: float, clip: bool, variance: Sequence[float]) -> None:
     """Write ``prior_boxes`` into the top (1, 2, H * W * P * 4); it reads no bottom."""
-    assign(y, prior_boxes(layer_h, layer_w, img_h, img_w, sizes, step_h=step_h,
-                          step_w=step_w, offset=offset, clip=clip,
-                          variance=variance).reshape(y.shape))
+    assign(y, _prior_boxes_once(layer_h, layer_w, img_h, img_w, tuple(map(tuple, sizes)),
+                                step_h, step_w, offset, clip, tuple(variance)).reshape(y.shape))
+
+
+@functools.lru_cache(maxsize=64)  # the boxes follow from the shapes: once per shape, not pass
+def _prior_boxes_once(layer_h: int, layer_w: int, img_h: int, img_w: int,
+                      sizes: tuple[tuple[float, float], ...], step_h: float, step_w: float,
+                      offset: float, clip: bool, variance: tuple[float, ...]) -> np.ndarray:
+    boxes = prior_boxes(layer_h, layer_w, img_h, img_w, sizes, step_h=step_h, step_w=step_w,
+                        offset=offset, clip=clip, variance=variance)
+    boxes.flags.writeable = False
+    return boxes
 
 
 # -- Boxes ------------------------------------------------------------------------------------
