@@ -618,8 +618,13 @@ def _start() -> Dnnl | None:
     except (OSError, AttributeError, PurineError) as e:
         from purine.log import get_logger
 
-        get_logger().warning("oneDNN at %s is not used, convolutions run on numpy: %s",
-                             path, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        if isinstance(e, OSError) and "libgomp" in str(e):  # the one system library it needs
+            get_logger().warning("oneDNN needs the GNU OpenMP runtime libgomp.so.1, which this "
+                                 "system lacks (apt-get install libgomp1; dnf install libgomp); "
+                                 "convolutions run on numpy")
+        else:
+            get_logger().warning("oneDNN at %s is not used, convolutions run on numpy: %s",
+                                 path, str(e).splitlines()[0] if str(e) else type(e).__name__)
         return None
     # OpenBLAS's idle threads spin too, against oneDNN's OpenMP team: with one BLAS thread
     # bench/cpu_nets.py on 2 cores went from 1.23x to 0.72x PyTorch's time on CIFAR-10

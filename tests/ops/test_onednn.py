@@ -557,6 +557,22 @@ def test_a_broken_library_warns_once_and_falls_back(monkeypatch, fresh, turned_o
         np.testing.assert_array_equal(got[k], want[k])
 
 
+def test_a_system_without_libgomp_is_told_what_to_install(monkeypatch, fresh, turned_on,
+                                                         warnings_logged):
+    """The OpenMP build's one system library: the loader's error becomes the package to
+    install, said once; the nets run on numpy."""
+    def no_gomp(path: str) -> None:
+        raise OSError("libgomp.so.1: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(onednn, "find_library", lambda: "/site-packages/libdnnl.so.3")
+    monkeypatch.setattr(onednn, "_load", no_gomp)
+    assert onednn.get() is None and onednn.get() is None
+    assert warnings_logged == [
+        "oneDNN needs the GNU OpenMP runtime libgomp.so.1, which this system lacks (apt-get "
+        "install libgomp1; dnf install libgomp); convolutions run on numpy"]
+    assert onednn.describe() == "numpy"
+
+
 def test_the_wheel_is_found_through_its_file_list():
     path = onednn.find_library()
     if path is None:
