@@ -335,29 +335,64 @@ def _pooling(ex: _Exporter, L: LayerBuild) -> None:
 
 
 def _lrn(ex: _Exporter, L: LayerBuild) -> None:
+    """Caffe's scale = shift + alpha / norm * window_sum(x^2), y = x * scale^-beta. A window
+    wider than the blob is cut to it (the cells past the edge are zeros), alpha scaled to
+    keep Caffe's divisor, so no operator pads a window of 2^31 cells."""
     p = L.param.lrn_param
-    x, y = ex.bottom(L, 0), None
+    x = ex.bottom(L, 0)
+    _, channels, height, width = L.bottoms[0].shape
+    n = L.name
     if p.norm_region == pb.LRNParameter.ACROSS_CHANNELS:
-        y = ex.define(L, 0)
-        ex.node("LRN", [x], [y], f"{L.name}/LRN", size=p.local_size, alpha=p.alpha,
-                beta=p.beta, bias=p.k)
+        kc = _window(p.local_size, channels)
+        alpha = p.alpha * kc / p.local_size if kc < p.local_size else p.alpha
+        # onnxruntime refuses an LRN whose alpha or beta is not positive (onnx.checker
+        # passes it): those get the explicit form below, which it runs.
+        if np.float32(alpha) > 0 and p.beta > 0:
+            ex.node("LRN", [x], [ex.define(L, 0)], f"{n}/LRN", size=kc, alpha=float(alpha),
+                    beta=p.beta, bias=p.k)
+            return
+        # The window mean over channels: a (kc, 1, 1) AveragePool of x^2 with a unit axis
+        # put before the channels, zeros counted at the edges.
+        sq, wide, pooled, mean = (ex.fresh(f"{n}/{s}") for s in ("square", "wide", "pooled",
+                                                                 "mean"))
+        half = (kc - 1) // 2
+        ex.node("Mul", [x, x], [sq], f"{n}/Square")
+        axes = ex.const(f"{n}/axes", np.array([1]), np.int64)
+        ex.node("Unsqueeze", [sq, axes], [wide], f"{n}/Unsqueeze")
+        ex.node("AveragePool", [wide], [pooled], f"{n}/AveragePool", kernel_shape=[kc, 1, 1],
+                strides=[1, 1, 1], pads=[half, 0, 0, half, 0, 0], count_include_pad=1)
+        ex.node("Squeeze", [pooled, axes], [mean], f"{n}/Squeeze")
+        _lrn_scale(ex, L, x, mean, p.alpha * kc / p.local_size, p.k)
         return
     # WITHIN_CHANNEL: x * (1 + alpha * mean of x^2 over the size x size box)^-beta, the
     # mean always over size^2 cells (zeros outside), as Caffe's padded AVE pool gives.
-    half = (p.local_size - 1) // 2
-    n = L.name
+    kh, kw = _window(p.local_size, height), _window(p.local_size, width)
+    hh, hw = (kh - 1) // 2, (kw - 1) // 2
     sq, padded, mean = (ex.fresh(f"{n}/{s}") for s in ("square", "padded", "mean"))
-    scaled, shifted, factor = (ex.fresh(f"{n}/{s}") for s in ("scaled", "shifted", "factor"))
     ex.node("Mul", [x, x], [sq], f"{n}/Square")
-    pads = ex.const(f"{n}/pads", np.array([0, 0, half, half, 0, 0, half, half]), np.int64)
+    pads = ex.const(f"{n}/pads", np.array([0, 0, hh, hw, 0, 0, hh, hw]), np.int64)
     ex.node("Pad", [sq, pads], [padded], f"{n}/Pad")
-    ex.node("AveragePool", [padded], [mean], f"{n}/AveragePool",
-            kernel_shape=[p.local_size] * 2, strides=[1, 1])
-    ex.node("Mul", [mean, ex.const(f"{n}/alpha", np.float32(p.alpha))], [scaled],
-            f"{n}/Alpha")
-    ex.node("Add", [scaled, ex.const(f"{n}/one", np.float32(1.0))], [shifted], f"{n}/Shift")
-    ex.node("Pow", [shifted, ex.const(f"{n}/minus_beta", np.float32(-p.beta))], [factor],
-            f"{n}/Pow")
+    ex.node("AveragePool", [padded], [mean], f"{n}/AveragePool", kernel_shape=[kh, kw],
+            strides=[1, 1])
+    _lrn_scale(ex, L, x, mean, p.alpha * (kh * kw) / float(p.local_size) ** 2, 1.0)
+
+
+def _window(size: int, extent: int) -> int:
+    """An odd LRN window of ``size`` cut to what reaches an axis of ``extent`` cells from
+    any of them: 2 * extent - 1 at most."""
+    return max(1, min(size, 2 * extent - 1))
+
+
+def _lrn_scale(ex: _Exporter, L: LayerBuild, x: str, mean: str, alpha: float,
+               shift: float) -> None:
+    """y = x * (shift + alpha * mean)^-beta, the tail both LRN regions share."""
+    n = L.name
+    scaled, shifted, factor = (ex.fresh(f"{n}/{s}") for s in ("scaled", "shifted", "factor"))
+    ex.node("Mul", [mean, ex.const(f"{n}/alpha", np.float32(alpha))], [scaled], f"{n}/Alpha")
+    ex.node("Add", [scaled, ex.const(f"{n}/shift", np.float32(shift))], [shifted],
+            f"{n}/Shift")
+    ex.node("Pow", [shifted, ex.const(f"{n}/minus_beta", np.float32(-L.param.lrn_param.beta))],
+            [factor], f"{n}/Pow")
     ex.node("Mul", [x, factor], [ex.define(L, 0)], f"{n}/Mul")
 
 
@@ -510,6 +545,12 @@ def _batch_norm(ex: _Exporter, L: LayerBuild) -> None:
     # Caffe keeps sums and their moving-average weight; a weight of 0 means no statistics.
     f = 0.0 if factor.ravel()[0] == 0 else 1.0 / float(factor.ravel()[0])
     mean, var = mean_sum.reshape(c) * f, var_sum.reshape(c) * f
+    zero = np.flatnonzero(var.astype(np.float32) + np.float32(p.eps) == 0)
+    if zero.size:
+        # Caffe divides by sqrt(0) there (x / 0 = +-inf); onnxruntime's BatchNormalization
+        # gives NaN instead.
+        raise _unsupported(L, f"channel {int(zero[0])} has variance + eps = 0 (eps {p.eps}): "
+                              "Caffe's +-inf there is NaN in ONNX's BatchNormalization")
     gamma, beta = np.ones(c, np.float32), np.zeros(c, np.float32)
     top_layer, top_index = L, ex.index
     nxt = ex.index + 1

@@ -643,7 +643,13 @@ def _lrn(w: _Writer, L: LayerBuild) -> None:
     args = [str(p.local_size), f"alpha={_num(p.alpha)}", f"beta={_num(p.beta)}"]
     if p.norm_region == _LRN.ACROSS_CHANNELS:
         # Caffe's x / (k + alpha / size * sum of x^2 over size channels)^beta is PyTorch's
-        # local_response_norm, for the odd sizes Caffe allows.
+        # local_response_norm, for the odd sizes Caffe allows. PyTorch pads the channels by
+        # half the window: one wider than the channels (2^31 cells) is cut to what reaches
+        # them all, alpha scaled to keep Caffe's divisor.
+        channels = L.bottoms[0].shape[1]
+        if p.local_size > 2 * channels - 1:
+            size = max(1, 2 * channels - 1)
+            args[:2] = [str(size), f"alpha={p.alpha * size / p.local_size!r}"]
         w.module(L, "nn.LocalResponseNorm", *args, f"k={_num(p.k)}")
     else:
         w.need("WithinChannelLRN")

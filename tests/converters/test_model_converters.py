@@ -506,3 +506,68 @@ def test_onnx_refusals(tmp_path):
     Net(model, phase=TEST).save(tmp_path / "loss.caffemodel")
     assert main(["--model", model, "--weights", str(tmp_path / "loss.caffemodel"),
                  str(tmp_path / "loss.onnx")]) == 1
+
+
+@pytest.mark.parametrize("region", ["ACROSS_CHANNELS", "WITHIN_CHANNEL"])
+@pytest.mark.parametrize("alpha,beta,k,size", [
+    (0.0, 0.75, 1.0, 5),  # issue 28: onnxruntime refused LRN with alpha 0
+    (0.0, 0.75, 2.0, 3), (-0.5, 0.75, 3.0, 3), (0.3, 0.0, 1.0, 3), (0.3, -0.5, 2.0, 3),
+    (0.3, 0.75, 1.0, 2 ** 31 - 1),  # a window of 2^31 cells, cut to the blob
+])
+def test_onnx_lrn_edges_load_in_onnxruntime(tmp_path, region, alpha, beta, k, size):
+    text = f"""layer {{ name: "data" type: "Input" top: "data"
+      input_param {{ shape {{ dim: 2 dim: 4 dim: 3 dim: 5 }} }} }}
+    layer {{ name: "lrn" type: "LRN" bottom: "data" top: "lrn"
+      lrn_param {{ local_size: {size} alpha: {alpha} beta: {beta} k: {k}
+                   norm_region: {region} }} }}"""
+    model, net, _ = exported(tmp_path, text)
+    x = np.random.default_rng(7).standard_normal((2, 4, 3, 5))
+    assert_agrees(model, net, {"data": x}, expect=["lrn"])
+    # The formula by hand: alpha 0 gives y = x / k^beta (WITHIN_CHANNEL's k is 1).
+    if alpha == 0:
+        shift = k if region == "ACROSS_CHANNELS" else 1.0
+        np.testing.assert_allclose(net.blobs["lrn"].data, x * shift ** -beta, rtol=1e-6)
+    if beta == 0:
+        np.testing.assert_allclose(net.blobs["lrn"].data, x, rtol=1e-6)
+    if size > 9:  # every window holds all 4 channels, or the whole 3 x 5 plane
+        sq = x ** 2
+        if region == "ACROSS_CHANNELS":
+            want = x * (k + alpha / size * sq.sum(axis=1, keepdims=True)) ** -beta
+        else:
+            want = x * (1 + alpha / size ** 2 * sq.sum(axis=(2, 3), keepdims=True)) ** -beta
+        np.testing.assert_allclose(net.blobs["lrn"].data, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("region", ["ACROSS_CHANNELS", "WITHIN_CHANNEL"])
+@pytest.mark.parametrize("alpha,beta,k,size", [
+    (0.0, 0.75, 2.0, 5), (-0.5, 0.75, 3.0, 3), (0.3, -0.5, 2.0, 3),
+    (0.3, 0.75, 1.0, 2 ** 31 - 1),  # PyTorch padded the channels by 2^30 each side
+])
+def test_pytorch_lrn_edges(tmp_path, region, alpha, beta, k, size):
+    import importlib.util
+
+    torch = pytest.importorskip("torch", reason="running the exported module needs PyTorch "
+                                                "(dev only: pip install torch)")
+    from purine.converters.pytorch_export import caffe_to_pytorch
+
+    text = f"""layer {{ name: "data" type: "Input" top: "data"
+      input_param {{ shape {{ dim: 2 dim: 4 dim: 3 dim: 5 }} }} }}
+    layer {{ name: "lrn" type: "LRN" bottom: "data" top: "lrn"
+      lrn_param {{ local_size: {size} alpha: {alpha} beta: {beta} k: {k}
+                   norm_region: {region} }} }}"""
+    model = write(tmp_path, "deploy.prototxt", text)
+    net = Net(model, phase=TEST)
+    net.save(tmp_path / "w.caffemodel")
+    ex = caffe_to_pytorch(model, tmp_path / "w.caffemodel", tmp_path / "out")
+    # An LRN net has no weights: the module runs without its safetensors file.
+    spec = importlib.util.spec_from_file_location(ex.stem, tmp_path / "out" / f"{ex.stem}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    x = np.random.default_rng(9).standard_normal((2, 4, 3, 5)).astype(np.float32)
+    want = net.forward(data=x)["lrn"]
+    with torch.no_grad():
+        got = module.Net().eval()(data=torch.from_numpy(x))["lrn"].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    if alpha == 0:  # y = x / k^beta, k of WITHIN_CHANNEL being 1
+        shift = k if region == "ACROSS_CHANNELS" else 1.0
+        np.testing.assert_allclose(got, x * shift ** -beta, rtol=1e-6)
