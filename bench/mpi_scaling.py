@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+NETS = ("cifar10_quick", "lenet")  # the nets it has data for
 RESULT = "mpi_scaling result: "  # the line rank 0 prints for the launcher to read
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -104,7 +105,7 @@ def launch(ranks: int, solver_path: str, iterations: int, warmup: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--net", default="cifar10_quick", choices=("cifar10_quick", "lenet"))
+    ap.add_argument("--net", default="cifar10_quick", choices=NETS)
     ap.add_argument("--iterations", type=int, default=20, help="timed iterations")
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
     ap.add_argument("--repeat", type=int, default=3,

@@ -9,8 +9,10 @@ non-blocking and made under one lock, beside a heartbeat thread that sends each 
 small message every tenth of the heartbeat timeout. MPICH tells a survivor nothing about
 a killed rank (a send to it completes, a receive from it never does), so silence is the
 only sign: no message from a worker for the timeout and the server drops it; none from
-the server and a waiting worker stops. A process leaves without MPI_Finalize once a rank
-was lost: it would wait for the dead rank forever (``leave``).
+the server and a waiting worker stops. A transfer the transport fails (a dead peer's memory
+cannot be read) counts as a lost message; an MPI call that fails otherwise is a LinkError,
+one line. A process leaves without MPI_Finalize once a rank was lost: it would wait for the
+dead rank forever (``leave``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,18 @@ SERVER = 0
 POLL_S = 0.002  # how long a process with nothing to do sleeps before looking again
 
 
+class LinkError(PurineError):
+    """An MPI call of the Downpour link failed (a peer died and the transport says so)."""
+
+
+def mpi_line(e: BaseException) -> str:
+    """An MPI error in one line: its class and the innermost reason of MPICH's error stack
+    (e.g. ``Other MPI error (process_vm_readv failed)``)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    head = lines[0].removesuffix("error stack:").rstrip(" ,:")
+    return f"{head} ({lines[-1]})" if len(lines) > 1 else head
+
+
 class Link:
     """One process's point-to-point messages: ``send`` never blocks, ``next_message``
     and ``receive`` never wait on a peer past a deadline, and a thread sends each of
@@ -56,6 +70,9 @@ class Link:
         from mpi4py.util.dtlib import from_numpy_dtype
 
         self.MPI, self.comm = MPI, comm
+        # Failures come back as MPI.Exception, never as an abort with MPI's own error stack
+        # on stderr (mpi4py sets this by default; a user's mpi4py.rc may not have).
+        comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.dtype = np.dtype(dtype)  # of every message, both ways
         self._mpi_type = from_numpy_dtype(self.dtype)
         self.peers = list(peers)
@@ -79,7 +96,11 @@ class Link:
     def send(self, dest: int, tag: int, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array, self.dtype)
         with self._lock:
-            self._sending.append((self.comm.Isend(array, dest, tag), array))
+            try:
+                self._sending.append((self.comm.Isend(array, dest, tag), array))
+            except self.MPI.Exception:
+                pass  # the transport refuses a dead peer: its silence decides, as for a send
+                # that never completes
             # A send to a lost rank may never complete: it is kept, never waited on.
             self._sending = [(r, a) for r, a in self._sending if not self._done(r)]
 
@@ -94,7 +115,11 @@ class Link:
         """(source, tag, matched message, value count) of a waiting message, or None."""
         status = self.MPI.Status()
         with self._lock:
-            msg = self.comm.improbe(self.MPI.ANY_SOURCE, self.MPI.ANY_TAG, status)
+            try:
+                msg = self.comm.improbe(self.MPI.ANY_SOURCE, self.MPI.ANY_TAG, status)
+            except self.MPI.Exception as e:  # the progress engine reports a peer's death
+                raise LinkError(f"MPI failed while looking for messages: {mpi_line(e)}") \
+                    from None
         if msg is None:
             return None
         self.seen[status.source] = time.monotonic()
@@ -105,7 +130,10 @@ class Link:
         seconds (the sender died while sending)."""
         buf = np.empty(count, self.dtype)
         with self._lock:
-            req = msg.Irecv(buf)
+            try:
+                req = msg.Irecv(buf)
+            except self.MPI.Exception:
+                return None  # as a transfer failed under way, below
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
@@ -413,7 +441,11 @@ class MpiWorker:
         """The server's next message with one of ``tags`` (others, heartbeats, are read
         and dropped)."""
         while True:
-            m = link.next_message()
+            try:
+                m = link.next_message()
+            except LinkError as e:
+                raise PurineError(f"the link to the server (rank 0) failed ({e}); this worker "
+                                  "stops") from None
             if m is None:
                 silent = time.monotonic() - link.seen[SERVER]
                 if silent > self.heartbeat:
@@ -445,10 +477,16 @@ class MpiWorker:
 def _handshake(comm: Any, sizes: Sizes | None) -> None:
     """The one collective: every rank says whether it built its side and the message sizes
     it expects; any failure or disagreement stops every rank alike."""
+    from mpi4py import MPI
+
     mine = np.array([sizes is not None, sizes.weights if sizes else 0,
                      sizes.grads if sizes else 0], np.int64)
     table = np.empty((comm.size, 3), np.int64)
-    comm.Allgather(mine, table)
+    try:
+        comm.Allgather(mine, table)
+    except MPI.Exception as e:
+        raise PurineError(f"the start-up handshake of the ranks failed: {mpi_line(e)}") \
+            from None
     failed = [k for k in range(comm.size) if not table[k, 0]]
     if failed:
         raise PurineError(f"rank(s) {', '.join(map(str, failed))} failed to build the net; "
@@ -517,9 +555,12 @@ def train(param: pb.SolverParameter, comm: Any, *, staleness: int, heartbeat: fl
 
 
 def _describe(e: BaseException) -> str:
-    """A project error's one line; anything else with its traceback."""
+    """A project error's one line, an MPI error's too; anything else with its traceback."""
     if isinstance(e, PurineError):
         return str(e)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and isinstance(e, mpi.Exception):  # a call outside the link's
+        return f"MPI failed: {mpi_line(e)}"
     return "".join(traceback.format_exception(e)).rstrip()
 
 

@@ -1,15 +1,20 @@
 """Downpour across MPI processes: `mpiexec -n 3 purine-caffe train --async S` trains LeNet
 with a server and two workers, goes on when a worker is killed, and exits 0 on the
 surviving ranks; the server withholds weights from a worker more than S pushes ahead of the
-slowest live one and drops a silent one; bad combinations are refused in one line."""
+slowest live one and drops a silent one; a worker whose server dies (killed at several
+moments, or its MPI calls failing) leaves in one line; bad combinations are refused in one
+line."""
 
+import contextlib
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,7 +24,7 @@ from purine.caffe import TEST, Net
 from purine.cli import main
 from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
-from purine.parallel import mpi
+from purine.parallel import mpi, mpi_async
 from purine.parallel.mpi_async import BEAT, GRADS, PULL, WEIGHTS, MpiServer, MpiWorker
 from tests.parallel.test_async import capture, lenet, mnist_dbs  # noqa: F401 -- a fixture
 from tests.parallel.test_mpi import ROOT, launcher  # noqa: F401 -- a fixture
@@ -72,8 +77,10 @@ def test_a_killed_worker_is_dropped_and_the_job_finishes(launcher, tmp_path,  # 
     log = server.read_text()
     assert codes == ["0", "0", str(128 + signal.SIGKILL)], (codes, log)
     lost = [ln for ln in log.splitlines() if " lost " in ln]
-    assert len(lost) == 1 and lost[0].endswith(
-        "] worker rank 2 lost (no message for 3s); training continues with 1 worker"), lost
+    # killed between messages, or in the middle of one (its transfer fails)
+    assert len(lost) == 1 and re.search(
+        r"\] worker rank 2 lost \((no message for 3s|its message did not arrive within 3s)\); "
+        r"training continues with 1 worker$", lost[0]), lost
     assert "Optimization Done." in log
     assert re.search(r"worker rank 1 \(pid \d+\) exits: the server finished, after \d+ pushes",
                      (tmp_path / "rank1" / "stderr.txt").read_text())
@@ -243,3 +250,127 @@ def test_bad_combinations_are_refused(monkeypatch, capsys, tmp_path, mnist_dbs, 
     else:
         assert e.value.code == 1
         assert err.strip().splitlines()[-1] == f"purine-caffe train (rank 0): {message}"
+
+
+# -- the server's death ----------------------------------------------------------------------
+class FakeMpiError(Exception):
+    """Stands for mpi4py's MPI.Exception (importing mpi4py here would initialize MPI)."""
+
+
+# What MPICH said when a worker read a weights message from a server that had just died
+STACK = ("Other MPI error, error stack:\ninternal_Test(81)......: MPI_Test(request=0x7ffd, "
+         "flag=0x7ffd, status=0x1) failed\nMPIDI_CMA_copy(42).....: process_vm_readv failed")
+
+
+class FailingComm:
+    """A communicator whose point-to-point calls fail as MPICH's do once the peer died."""
+
+    def Isend(self, array, dest, tag):  # noqa: N802 -- mpi4py's names
+        raise FakeMpiError(STACK)
+
+    def improbe(self, source, tag, status):
+        raise FakeMpiError(STACK)
+
+
+class FailingMessage:
+    def Irecv(self, buf):  # noqa: N802
+        raise FakeMpiError(STACK)
+
+
+class FailingRequest:
+    def Test(self):  # noqa: N802
+        raise FakeMpiError(STACK)
+
+
+def failing_link():
+    link = mpi_async.Link.__new__(mpi_async.Link)  # its calls alone: no MPI
+    link.MPI = SimpleNamespace(Exception=FakeMpiError, Status=object, ANY_SOURCE=-1,
+                               ANY_TAG=-1)
+    link.comm, link.dtype = FailingComm(), np.dtype(np.float32)
+    link._lock, link._sending, link._abandoned = threading.Lock(), [], []
+    link.seen = {0: time.monotonic()}
+    return link
+
+
+def test_mpi_errors_of_a_dead_peer_are_translated_where_the_link_calls_mpi():
+    link = failing_link()
+    link.send(0, PULL, np.zeros(1))  # refused: the peer's silence decides
+    assert link._sending == []
+    assert link.receive(FailingMessage(), 4, timeout=1.0) is None  # a lost message
+    link._sending = [(FailingRequest(), np.zeros(1))]
+    assert link._done(FailingRequest())
+    with pytest.raises(mpi_async.LinkError) as e:
+        link.next_message()
+    assert str(e.value) == ("MPI failed while looking for messages: Other MPI error "
+                            "(MPIDI_CMA_copy(42).....: process_vm_readv failed)")
+
+
+def test_a_worker_whose_link_fails_stops_in_one_line():
+    worker = MpiWorker.__new__(MpiWorker)
+    worker.heartbeat = 5.0
+    with pytest.raises(PurineError) as e:
+        worker._wait(failing_link(), (WEIGHTS,))
+    assert str(e.value) == (
+        "the link to the server (rank 0) failed (MPI failed while looking for messages: "
+        "Other MPI error (MPIDI_CMA_copy(42).....: process_vm_readv failed)); this worker "
+        "stops")
+
+
+def test_an_mpi_error_elsewhere_is_described_in_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py.MPI", SimpleNamespace(Exception=FakeMpiError))
+    assert mpi_async._describe(FakeMpiError(STACK)) == (
+        "MPI failed: Other MPI error (MPIDI_CMA_copy(42).....: process_vm_readv failed)")
+    assert mpi_async.mpi_line(FakeMpiError("Other MPI error")) == "Other MPI error"
+
+
+# Each rank in tmp/rank<k>, in a session of its own so that Hydra's kill of the dead rank's
+# job does not reach it; its pid, stderr and exit code there.
+PER_RANK_PID = ('cd "$0/rank${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-$PMIX_RANK}}" && '
+                '{ "$@" 2> stderr.txt & echo $! > pid; wait $!; echo $? > rc; }')
+WORKER_LINE = re.compile(r"^purine-caffe train \(rank 1\): worker rank 1 \(pid \d+\) exits: ")
+
+
+def _wait_for(path, text: str, job, deadline: float) -> None:
+    while not (path.exists() and text in path.read_text()):
+        assert job.poll() is None and time.monotonic() < deadline, (text, job.stdout.read())
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("moment", [None, "Iteration 5 (", "Iteration 25 ("])
+def test_a_worker_leaves_in_one_line_when_the_server_dies(launcher, tmp_path,  # noqa: F811
+                                                          mnist_dbs, moment):  # noqa: F811
+    if shutil.which("setsid") is None:
+        pytest.skip("no setsid (util-linux): a rank cannot outlive another's death")
+    s = lenet(mnist_dbs, batch=64, iters=100000)
+    s.display = 5
+    (tmp_path / "solver.prototxt").write_text(text_format.MessageToString(s))
+    for k in range(2):
+        (tmp_path / f"rank{k}").mkdir()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OPENBLAS_NUM_THREADS="1")
+    cmd = [launcher, "-n", "2", "setsid", "-w", "sh", "-c", PER_RANK_PID, str(tmp_path),
+           sys.executable, "-m", "purine.cli", "train", "--solver",
+           str(tmp_path / "solver.prototxt"), "--async", "1", "--heartbeat", "1"]
+    job = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, env=env, text=True)
+    server, worker = tmp_path / "rank0", tmp_path / "rank1"
+    try:
+        deadline = time.monotonic() + 60
+        _wait_for(worker / "stderr.txt", "started", job, deadline)
+        if moment is not None:
+            _wait_for(server / "stderr.txt", moment, job, deadline)
+        os.kill(int((server / "pid").read_text()), signal.SIGKILL)
+        _wait_for(worker / "rc", "\n", job, deadline)
+    finally:
+        for rank in (server, worker):  # outside the launcher's reach
+            if not (rank / "rc").exists() and (rank / "pid").exists():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int((rank / "pid").read_text()), signal.SIGKILL)
+        if job.poll() is None:
+            job.kill()
+    err = (worker / "stderr.txt").read_text()
+    lines = err.splitlines()
+    # its start and its exit, nothing of MPI's or Python's between or after
+    assert len(lines) == 2 and WORKER_LINE.match(lines[-1]), err
+    assert lines[0].startswith("purine-caffe train (rank 1): worker rank 1 (pid "), err
+    assert (worker / "rc").read_text().strip() == "1"
