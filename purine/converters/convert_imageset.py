@@ -6,7 +6,10 @@ images, features for extract_features, the dataset tools' records)."""
 from __future__ import annotations
 
 import argparse
+import functools
+import operator
 import os
+import re
 import sys
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
@@ -16,14 +19,19 @@ from google.protobuf.message import Message
 
 from purine.converters import ConvertError, bool_flag, flag, run_main
 from purine.converters.progress import Progress
+from purine.data import DataError
 from purine.data import db as backends
-from purine.data.datum import encode_datum
+from purine.data.datum import decode_image, encode_datum, opencv_quiet
 from purine.data.db import DatumWriter
 from purine.data.image_list import read_list
+from purine.formats.files import BINARY_LIMIT, read_bounded
 from purine.log import get_logger
 
 # Caffe shuffles with an unseeded RNG; ours is seeded so the same list gives the same order.
 SHUFFLE_SEED = 0
+# The most pixel bytes one resized image may have: a Datum is one protobuf message, which
+# protobuf caps at 2 GiB; the rest of the Datum needs a few bytes.
+MAX_DATUM_PIXELS = 2**31 - 1 - 64
 
 
 class Encoded(NamedTuple):
@@ -148,7 +156,7 @@ def write_images(db: str | os.PathLike, records: Iterable[Record | tuple], *,
     ``encoding`` ("png", "jpg"; ``Encoded`` images are kept as they are). ``check_size``:
     every image must have the first one's (C, H, W)."""
     if encoding:
-        _check_encoding(encoding)
+        _check_encoding(encoding, None)  # the images may be gray or color
 
     def datums() -> Iterator[tuple[str, bytes]]:
         first = None
@@ -170,12 +178,71 @@ def write_images(db: str | os.PathLike, records: Iterable[Record | tuple], *,
     return write_datums(db, datums(), total=total, log=log, backend=backend)
 
 
-def _check_encoding(encoding: str) -> None:
+# Names OpenCV may write, offered in messages when it can write them in this build.
+_CANDIDATES = ("jpg", "jpeg", "jpe", "png", "bmp", "dib", "tiff", "tif", "webp", "jp2",
+               "avif", "pbm", "pgm", "ppm", "pnm", "sr", "ras", "gif", "exr", "hdr", "pic",
+               "pfm")
+
+
+@functools.cache
+def encoding_works(encoding: str, gray: bool = False) -> bool:
+    """Whether OpenCV writes a small ``gray`` or color uint8 image as ``encoding`` and
+    reads it back as uint8 with its channels (Caffe's data layers take 8-bit images only,
+    so HDR, PFM or a disabled OpenEXR would make records nothing can read)."""
     import cv2
 
-    if not cv2.haveImageWriter("." + encoding):
-        raise ConvertError(f"encode_type '{encoding}': OpenCV cannot write that format "
-                           "(try png or jpg)")
+    if not re.fullmatch(r"[a-z0-9]+", encoding, re.ASCII):
+        return False
+    probe = np.arange(48, dtype=np.uint8).reshape(4, 4, 3)
+    probe = probe[:, :, 0].copy() if gray else probe
+    with opencv_quiet():
+        try:
+            ok, buf = cv2.imencode("." + encoding, probe)
+            back = cv2.imdecode(buf, cv2.IMREAD_UNCHANGED) if ok else None
+        except cv2.error:
+            return False
+    return back is not None and back.dtype == np.uint8 and back.shape == probe.shape
+
+
+def _check_encoding(encoding: str, gray: bool | None = False,
+                    where: str = "encode_type") -> None:
+    """Refuse an encoding OpenCV cannot write for ``gray`` (or, for None, either) images,
+    naming the ones it can."""
+    modes = (False, True) if gray is None else (gray,)
+    if not any(encoding_works(encoding, g) for g in modes):
+        kinds = [c for c in _CANDIDATES if any(encoding_works(c, g) for g in modes)]
+        what = "" if gray is None else ("gray " if gray else "color ")
+        raise ConvertError(f"{where} '{encoding}': OpenCV cannot write that format as 8-bit "
+                           f"{what}images that read back; use one of {', '.join(kinds)}")
+
+
+def _check_resize(height: int, width: int, gray: bool) -> tuple[int, int]:
+    """Caffe's resize flags: int32 values, negative ones taken as 0, and a resized image
+    (both sizes > 0) must fit one Datum, which protobuf caps below 2 GiB."""
+    for name, v in (("resize_height", height), ("resize_width", width)):
+        if not -2**31 <= v < 2**31:
+            raise ConvertError(f"--{name} {v}: expected an int32, as Caffe's flag is")
+    height, width = max(0, height), max(0, width)
+    size = height * width * (1 if gray else 3)
+    if height and width and size > MAX_DATUM_PIXELS:
+        raise ConvertError(f"--resize_height {height} --resize_width {width}: a resized image "
+                           f"holds {size} bytes, more than the {MAX_DATUM_PIXELS} a Datum can "
+                           "(protobuf's 2 GiB limit)")
+    return height, width
+
+
+def shuffle_order(n: int, seed: int, log=None) -> np.ndarray:
+    """The order --shuffle writes ``n`` lines in. A seed of 0 or more gives the same order
+    every time; a negative one, as Caffe's random_seed -1, draws the seed from the system's
+    entropy (Caffe's own tool always shuffles unseeded), logged so the run can be repeated."""
+    if seed < 0:
+        drawn = int.from_bytes(os.urandom(8), "little")
+        (log or get_logger()).info("Shuffling data (seed %d: unseeded, as in Caffe; drew "
+                                   "seed %d)", seed, drawn)
+        seed = drawn
+    else:
+        (log or get_logger()).info("Shuffling data (seed %d)", seed)
+    return np.random.default_rng(seed).permutation(n)
 
 
 # -- the list file and the images it names -----------------------------------------------
@@ -200,9 +267,13 @@ def load_image(path: str, where: str, *, gray: bool = False, resize: tuple[int, 
 
     if not os.path.isfile(path):
         raise ConvertError(f"{where}: image not found: {path}{hint}")
-    image = cv2.imread(path, cv2.IMREAD_GRAYSCALE if gray else cv2.IMREAD_COLOR)
-    if image is None:
-        raise ConvertError(f"{where}: cannot read {path}: OpenCV cannot decode it as an image")
+    data = read_bounded(path, BINARY_LIMIT, error=ConvertError)
+    try:  # decode_image keeps the codecs' own lines off stderr
+        image = decode_image(data, cv2.IMREAD_GRAYSCALE if gray else cv2.IMREAD_COLOR, where)
+    except DataError:
+        raise ConvertError(f"{where}: cannot read {path}: OpenCV cannot decode it as an "
+                           "image") from None
+    image = image[0] if gray else image.transpose(1, 2, 0)  # back to OpenCV's H x W (x C)
     height, width = resize
     resized = height > 0 and width > 0
     if resized:
@@ -212,10 +283,9 @@ def load_image(path: str, where: str, *, gray: bool = False, resize: tuple[int, 
     shape = image_shape(image)
     # Caffe keeps the file only when neither resize size is set (even if just one is).
     if not height and not width and _same_format(_ext(path), encoding):
-        with open(path, "rb") as f:
-            data = f.read()
         # Keep the file only if a reader decoding it natively gets what we would store.
-        native = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+        with opencv_quiet():
+            native = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
         if native is not None and native.dtype == np.uint8 and native.shape == image.shape:
             return Encoded(data, shape)
     return Encoded(encode_image(image, encoding), shape)
@@ -233,6 +303,7 @@ def convert_imageset(root: str | os.PathLike, listfile: str | os.PathLike,
     ``resize`` is (height, width). ``encode_type`` implies ``encoded``; ``encoded`` alone
     takes each file's extension. Returns the number of records written."""
     log = log or get_logger()
+    # Every flag is checked before the list is read and the database is created.
     if backends.get(backend) is None:
         raise ConvertError(f"unknown backend '{backend}'; use {backends.names_text()}")
     # A Path cannot end in '/', so it names a folder; a string is prefixed as given.
@@ -240,16 +311,23 @@ def convert_imageset(root: str | os.PathLike, listfile: str | os.PathLike,
     listfile = os.fspath(listfile)
     encode_type = encode_type.lower()
     if encode_type:
-        _check_encoding(encode_type)
+        _check_encoding(encode_type, gray)
+    height, width = _check_resize(int(resize[0]), int(resize[1]), gray)
+    seed = operator.index(seed)
     lines = read_list(listfile)
+    if encoded and not encode_type:  # each file's own extension: all checked up front
+        for name, _, lineno in lines:
+            enc = _ext(name)
+            if not enc:
+                raise ConvertError(f"{listfile}:{lineno}: cannot guess the encoding of "
+                                   f"'{name}' from its name; give --encode_type")
+            _check_encoding(enc, gray, f"{listfile}:{lineno}: the encoding of '{name}',")
     if shuffle:
-        log.info("Shuffling data (seed %d)", seed)
-        order = np.random.default_rng(seed).permutation(len(lines))
+        order = shuffle_order(len(lines), seed, log)
         lines = [lines[i] for i in order]
     log.info("A total of %d images.", len(lines))
     if encode_type and not encoded:
         log.info("encode_type specified, assuming encoded=true.")
-    height, width = (max(0, int(x)) for x in resize)
     hint = ""
     if root and not root.endswith(("/", os.sep)):
         hint = (f" (ROOTFOLDER '{root}' is prefixed to the list's paths as given, as in "
@@ -258,12 +336,7 @@ def convert_imageset(root: str | os.PathLike, listfile: str | os.PathLike,
     def records() -> Iterator[Record]:
         for line_id, (name, label, lineno) in enumerate(lines):
             where = f"{listfile}:{lineno}"
-            enc = encode_type
-            if encoded and not enc:
-                enc = _ext(name)
-                if not enc:
-                    raise ConvertError(f"{where}: cannot guess the encoding of '{name}' from "
-                                       "its name; give --encode_type")
+            enc = encode_type or (_ext(name) if encoded else "")
             image = load_image(root + name, where, gray=gray, resize=(height, width),
                                encoding=enc, hint=hint)
             yield Record(f"{line_id:08d}_{name}", image, label, f"{where}: '{name}'")

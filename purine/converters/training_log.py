@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 
 from purine.converters import ConvertError, flag, run_main
+from purine.formats.files import read_bounded
 
 Row = dict[str, float]
 
@@ -25,6 +26,9 @@ _NUMBER = r"([-+]?(?:nan|inf)|[\.\deE+-]+)"
 _OUTPUT = {kind: re.compile(rf"{kind} net output #(\d+): (\S+) = {_NUMBER}")
            for kind in ("Train", "Test")}
 _LR = re.compile(r"lr = ([-+]?[0-9]*\.?[0-9]+([eE]?[-+]?[0-9]+)?)")
+# Training logs run long (one line per iteration with debug_info); the bound is there for
+# an input that never ends, not for a real log.
+LOG_LIMIT = 2**32
 FIXED = ("NumIters", "Seconds", "LearningRate")  # the columns before the outputs
 
 
@@ -122,11 +126,8 @@ def read_training_log(path: str | os.PathLike, year: int | None = None) -> Train
     """The train and test rows of a Caffe or purine-caffe training log. ``year`` is the year
     of the "Solving" line when the prefixes carry none (default: from the file's time)."""
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise ConvertError(f"{path}: cannot read the log: {e.strerror}") from None
+    data = read_bounded(path, LOG_LIMIT, what="the log", error=ConvertError)
+    lines = data.decode("utf-8", "replace").splitlines()
     train, test = parse_lines(lines, path, year)
     return TrainingLog(path, train, test)
 
@@ -182,16 +183,30 @@ def parse_lines(lines: list[str], path: str, year: int | None = None
 def write_csv(path: str, rows: list[Row], delimiter: str = ",") -> None:
     """``rows`` as Caffe's parse_log writes them: Excel's dialect (\\r\\n line ends),
     Python's float text (``100.0``, ``nan``)."""
+    check_delimiter(delimiter)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns(rows), dialect=csv.excel, delimiter=delimiter)
         w.writeheader()
         w.writerows(rows)
 
 
+def check_delimiter(delimiter: str) -> str:
+    """One character that Python's csv module (and Excel, pandas) can read back as a
+    delimiter: not a line end, not the quote character, not another control character."""
+    if len(delimiter) != 1:
+        raise ConvertError(f"--delimiter {delimiter!r}: expected one character")
+    if delimiter in '\r\n"' or (delimiter < " " and delimiter != "\t") or delimiter == "\x7f":
+        raise ConvertError(f"--delimiter {delimiter!r}: a CSV reader cannot read that back "
+                           "(a line end, the quote character '\"' or a control character); "
+                           "use ',', ';', '\\t' (a tab), '|' or a space")
+    return delimiter
+
+
 def parse_log(log: str | os.PathLike, output_dir: str | os.PathLike, delimiter: str = ",",
               year: int | None = None) -> list[str]:
     """Write ``OUTPUT_DIR/<log name>.train`` and ``.test`` (a file with no rows is not
     written, as in Caffe); returns the paths written."""
+    check_delimiter(delimiter)  # before the log is read or a folder made
     parsed = read_training_log(log, year)
     if not parsed.train and not parsed.test:
         raise ConvertError(f"{parsed.path}: no 'Train net output' or 'Test net output' line "
@@ -207,10 +222,8 @@ def parse_log(log: str | os.PathLike, output_dir: str | os.PathLike, delimiter: 
 
 
 def _delimiter(text: str) -> str:
-    text = {"\\t": "\t", "tab": "\t"}.get(text, text)
-    if len(text) != 1:
-        raise argparse.ArgumentTypeError(f"expected one character, got '{text}'")
-    return text
+    """The spelled-out tab; everything else is checked by check_delimiter, in one line."""
+    return {"\\t": "\t", "tab": "\t"}.get(text, text)
 
 
 # -- the command --------------------------------------------------------------------------

@@ -7,18 +7,25 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Sequence
+import struct
+import sys
+import tempfile
+import threading
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import cv2
 import numpy as np
 from google.protobuf.message import DecodeError
 
 from purine.data import DataError
-from purine.errors import ProtoError
+from purine.errors import ProtoError, one_line
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import blob_to_array
 from purine.formats.prototxt import read_binary
 from purine.formats.wire import len_field, varint
+from purine.log import get_logger
 
 Image = np.ndarray
 """A decoded image: ``(C, H, W)``, possibly a transposed view of OpenCV's ``(H, W, C)``."""
@@ -115,19 +122,143 @@ def chw(img: np.ndarray) -> Image:
     return img[None] if img.ndim == 2 else img.transpose(2, 0, 1)
 
 
+# -- decoding without foreign text --------------------------------------------------------
+# OpenCV logs its codecs' complaints (libtiff, OpenJPEG, its own PNG and BMP readers) through
+# its logger, which is silenced around a decode. libpng and libjpeg print straight to file
+# descriptor 2; a PNG or JPEG whose structure is damaged (checked below in microseconds)
+# is decoded with that descriptor captured, so the codec's words end up in our one line.
+_quiet_lock = threading.Lock()
+_quiet_depth = 0
+_quiet_saved = 0
+
+
+@contextmanager
+def opencv_quiet() -> Iterator[None]:
+    """Silence OpenCV's own log lines while the block runs. Blocks may nest and run in
+    several threads at once: the first one in saves OpenCV's level, the last one out
+    restores it."""
+    global _quiet_depth, _quiet_saved
+    with _quiet_lock:
+        if _quiet_depth == 0:
+            _quiet_saved = cv2.utils.logging.getLogLevel()
+            cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_depth -= 1
+            if _quiet_depth == 0:
+                cv2.utils.logging.setLogLevel(_quiet_saved)
+
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_sound(buf: bytes) -> bool:
+    """Whether a PNG's chunks are whole, start with IHDR, end with IEND and match their CRCs
+    (what libpng would otherwise complain of on stderr)."""
+    at, first = 8, True
+    while at + 12 <= len(buf):
+        n, kind = struct.unpack_from(">I4s", buf, at)
+        end = at + 12 + n
+        if n > 2**31 - 1 or end > len(buf) or (first and kind != b"IHDR"):
+            return False
+        crc = struct.unpack_from(">I", buf, end - 4)[0]
+        if zlib.crc32(memoryview(buf)[at + 4:end - 4]) != crc:
+            return False
+        if kind == b"IEND":
+            return True
+        at, first = end, False
+    return False
+
+
+def _jpeg_sound(buf: bytes) -> bool:
+    """Whether a JPEG's marker segments up to its first scan are whole and an EOI marker
+    follows (what libjpeg would otherwise complain of on stderr: "Premature end of JPEG
+    file" ...). The entropy-coded data itself is not walked: that would cost as much as a
+    fifth of the decode."""
+    at, n = 2, len(buf)
+    while at + 1 < n:
+        if buf[at] != 0xFF:
+            return False
+        marker = buf[at + 1]
+        if marker == 0xFF:  # fill byte
+            at += 1
+            continue
+        if marker in (0xD8, 0xD9) or 0xD0 <= marker <= 0xD7 or marker == 0x01:
+            return False  # no standalone marker belongs before the first scan
+        if at + 4 > n:
+            return False
+        end = at + 2 + (buf[at + 2] << 8 | buf[at + 3])
+        if end > n or end < at + 4:
+            return False
+        if marker == 0xDA:  # start of scan
+            return buf.rfind(b"\xff\xd9") >= end
+        at = end
+    return False
+
+
+def _looks_sound(buf: bytes) -> bool:
+    if buf.startswith(_PNG_SIGNATURE):
+        return _png_sound(buf)
+    if buf.startswith(b"\xff\xd8"):
+        return _jpeg_sound(buf)
+    return True  # other formats: OpenCV's logger carries their codecs' words
+
+
+_fd2_lock = threading.Lock()
+
+
+def _imdecode_captured(data: np.ndarray, flag: int) -> tuple[np.ndarray | None, str]:
+    """cv2.imdecode with file descriptor 2 sent to a temporary file: (the image or None,
+    what the codec printed). Only damaged files come here, one at a time; a line another
+    thread writes to stderr meanwhile lands in the captured text rather than vanish."""
+    with _fd2_lock, tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            img = cv2.imdecode(data, flag)
+        except cv2.error as e:
+            img, error = None, " ".join(str(e).split())
+        else:
+            error = ""
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        said = tmp.read(4096).decode("utf-8", "replace")
+    return img, " ".join((" ".join(said.split()) + " " + error).split())
+
+
 def decode_image(buf: bytes | np.ndarray, flag: int, where: str) -> Image:
-    """An encoded image (JPEG, PNG, ...) decoded by OpenCV as (C, H, W) uint8."""
+    """An encoded image (JPEG, PNG, ...) decoded by OpenCV as (C, H, W) uint8. No codec
+    writes to stderr: a damaged image is our one DataError, or (when OpenCV still decodes
+    it, as Caffe would use it) one warning in the log naming the record."""
     if len(buf) == 0:  # OpenCV asserts on an empty buffer instead of failing the decode
         raise DataError(f"{where}: encoded Datum with no data bytes; expected an image "
                         "file's bytes (JPEG, PNG, ...)")
-    try:
-        img = cv2.imdecode(np.frombuffer(buf, np.uint8), flag)
-    except cv2.error as e:
-        raise DataError(f"{where}: cannot decode the encoded image ({len(buf)} bytes): "
-                        f"{' '.join(str(e).split())}") from None
+    data = np.frombuffer(buf, np.uint8)
+    head = bytes(data[:8])
+    sound = not (head.startswith(_PNG_SIGNATURE) or head.startswith(b"\xff\xd8")) \
+        or _looks_sound(data.tobytes() if isinstance(buf, np.ndarray) else bytes(buf))
+    said = ""
+    with opencv_quiet():
+        if sound:
+            try:
+                img = cv2.imdecode(data, flag)
+            except cv2.error as e:
+                img, said = None, " ".join(str(e).split())
+        else:
+            img, said = _imdecode_captured(data, flag)
     if img is None:
         raise DataError(f"{where}: cannot decode the encoded image ({len(buf)} bytes); "
-                        "the record is truncated or not an image OpenCV reads")
+                        "the record is truncated or not an image OpenCV reads"
+                        + (f" ({said})" if said else ""))
+    if said:
+        get_logger().warning("%s: the encoded image is damaged; decoded anyway, as Caffe "
+                             "does (%s)", one_line(where), said)
     return check_depth(img, where)
 
 

@@ -5,13 +5,16 @@ random, padded with context, clipped to the image and warped to a square as Caff
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import cv2
 import numpy as np
 
 from purine.data import DataError
+from purine.data.datum import decode_image
 from purine.data.prefetch import Batch, BufferPool, PooledBatches, stream_batch
+from purine.formats.files import BINARY_LIMIT, read_bounded, read_bounded_text
 
 _SAMPLE = 0x3D1A  # the window draws' stream, apart from the other layers' streams
 _FIELDS = ("channels", "height", "width", "num_windows")
@@ -34,41 +37,96 @@ class WindowFile:
         return f"{self.path}:{self.lines[i]}"
 
 
+# Caffe reads the file with C++ streams: tokens are split at C's whitespace, and integers
+# are C ints of ASCII digits. Python's str.split(), str.isdigit() and int() accept more
+# (Unicode spaces, superscript and other scripts' digits, '1_000'), so fields are matched here.
+_WS = " \t\n\v\f\r"
+_INT = r"[+-]?[0-9]+"
+_FLOAT = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+_SP = _WS.replace("\n", "")  # within one line
+_SEP = f"[{_SP}]+"
+_WINDOW = f"[{_SP}]*{_INT}{_SEP}{_FLOAT}(?:{_SEP}{_INT}){{4}}[{_SP}]*"
+_SPLIT = re.compile(_SEP)
+_WINDOWS = re.compile(f"{_WINDOW}(?:\n{_WINDOW})*", re.ASCII)
+_IS_INT = re.compile(_INT, re.ASCII)
+_IS_FLOAT = re.compile(_FLOAT, re.ASCII)
+_IS_COUNT = re.compile(r"\+?[0-9]+", re.ASCII)
+INT_MAX = 2**31 - 1  # Caffe reads every number of the file into a C int
+
+
+def _value(text: str) -> int:
+    """The value of an ASCII integer (``_INT``); past 20 digits it is only known to be out
+    of a C int's range (int() refuses past 4300 digits), so it stands as +-2**64."""
+    digits = text.lstrip("+-").lstrip("0")
+    if len(digits) > 20:
+        return -(2**64) if text.startswith("-") else 2**64
+    return int(text)
+_WINDOW_FIELDS = ("class_index", "x1", "y1", "x2", "y2")
+_EXPECTED = "a window 'class_index overlap x1 y1 x2 y2' (integers and a number)"
+
+
+def _ints_fit(ints: np.ndarray) -> bool:
+    return bool(((ints >= -INT_MAX - 1) & (ints <= INT_MAX)).all())
+
+
+def _fast_rows(chunk: list[str]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The (n, 5) ints and (n,) overlaps of ``chunk``, converted at once, when every line
+    is a well-formed window whose numbers fit; None sends the chunk to the line walk."""
+    if not _WINDOWS.fullmatch("\n".join(chunk)):
+        return None
+    # numpy's own float parser is the fast one; ints within a C int are exact in float64,
+    # and the regex above has made sure that they are integers.
+    table = np.array(" ".join(chunk).split(), np.float64).reshape(len(chunk), 6)
+    values = table[:, [0, 2, 3, 4, 5]]
+    if not _ints_fit(values):
+        return None
+    ints = values.astype(np.int64)
+    with np.errstate(over="ignore"):
+        overlap = table[:, 1].astype(np.float32)
+    if not np.isfinite(overlap).all():
+        return None
+    return ints, overlap
+
+
+def _window(path: str, line: str, number: int) -> tuple[list[int], np.float32]:
+    """One window line's five integers and overlap, each checked as Caffe reads it."""
+    parts = _SPLIT.split(line.strip(_WS))
+    if len(parts) != 6 or not all(_IS_INT.fullmatch(s) for s in parts[:1] + parts[2:]) \
+            or not _IS_FLOAT.fullmatch(parts[1]):
+        raise DataError(f"{path}:{number}: expected {_EXPECTED}, found {line.strip(_WS)!r}")
+    ints = [_value(parts[0])] + [_value(s) for s in parts[2:]]
+    for name, v, s in zip(_WINDOW_FIELDS, ints, parts[:1] + parts[2:]):
+        if not -INT_MAX - 1 <= v <= INT_MAX:
+            shown = s if len(s) <= 40 else s[:40] + "..."
+            raise DataError(f"{path}:{number}: window {name} = {shown}; expected an integer from "
+                            f"{-INT_MAX - 1} to {INT_MAX} (a C int, as Caffe reads it)")
+    with np.errstate(over="ignore"):
+        overlap = np.float32(float(parts[1]))
+    if not np.isfinite(overlap):
+        raise DataError(f"{path}:{number}: window overlap {parts[1]} does not fit a float; "
+                        "expected a fraction from 0 to 1")
+    return ints, overlap
+
+
 def _rows(path: str, lines: list[str], first: int, n: int
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """``n`` window lines from index ``first``: (int fields, overlaps, line numbers, next
-    index). All rows are converted at once; the per-line walk only runs on a bad row."""
+    index). All rows are converted at once; the per-line walk only runs on a bad row.
+    ``n`` is at most the lines left (the caller checks), so nothing here outgrows the file."""
     chunk = lines[first:first + n]
-    fields = " ".join(chunk).split()
-    if len(chunk) == n and len(fields) == 6 * n and all(s.strip() for s in chunk):
-        try:
-            table = np.array(fields, np.float64).reshape(n, 6)
-        except ValueError:
-            table = None
-        if table is not None:
-            values = table[:, [0, 2, 3, 4, 5]]
-            with np.errstate(invalid="ignore"):  # nan or inf: not equal below either
-                ints = values.astype(np.int64)
-            if (ints == values).all():  # else a field is not an integer: the walk names it
-                return (ints, table[:, 1].astype(np.float32),
-                        np.arange(first + 1, first + n + 1), first + n)
+    if len(chunk) == n:
+        fast = _fast_rows(chunk)
+        if fast is not None:
+            return (*fast, np.arange(first + 1, first + n + 1), first + n)
     ints, overlap, where = np.empty((n, 5), np.int64), np.empty(n, np.float32), []
     i = first
     for k in range(n):
-        while i < len(lines) and not lines[i].strip():
+        while i < len(lines) and not lines[i].strip(_WS):
             i += 1
         if i == len(lines):
             raise DataError(f"{path}:{i}: expected window {k + 1} of {n} "
                             "('class_index overlap x1 y1 x2 y2'), found the end of the file")
-        parts = lines[i].split()
-        try:
-            if len(parts) != 6:
-                raise ValueError
-            ints[k] = [int(parts[0])] + [int(s) for s in parts[2:]]
-            overlap[k] = np.float32(float(parts[1]))
-        except ValueError:
-            raise DataError(f"{path}:{i + 1}: expected a window 'class_index overlap x1 y1 x2 "
-                            f"y2' (integers and a number), found {lines[i].strip()!r}") from None
+        ints[k], overlap[k] = _window(path, lines[i], i + 1)
         i += 1
         where.append(i)
     return ints, overlap, np.array(where, np.int64), i
@@ -78,37 +136,39 @@ def read_window_file(path: str | os.PathLike, root_folder: str = "") -> WindowFi
     """Parse a window file: blocks of ``# image_index``, the image path, its channels,
     height and width, the number of windows, then one ``class_index overlap x1 y1 x2 y2``
     line per window. Image indices must count 0, 1, 2, ... as the blocks do, since a
-    window names its image by that index."""
+    window names its image by that index. Every number is a C int of ASCII digits, as
+    Caffe's stream reads it, and a window count is checked against the lines left."""
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        raise DataError(f"{path}: cannot read the window file: {e.strerror}") from None
+    text = read_bounded_text(path, what="the window file", error=DataError)
+    # Lines end at '\n' only (and a '\r' before it is whitespace): str.splitlines() would
+    # also split at characters that are no line end to Caffe (\x1c, \x85, \u2028).
+    lines = text.split("\n")
+    if lines[-1] == "":  # the '\n' that ends the last line
+        lines.pop()
     i = 0
 
     def field(what: str) -> tuple[str, int]:
         nonlocal i
-        while i < len(lines) and not lines[i].strip():
+        while i < len(lines) and not lines[i].strip(_WS):
             i += 1
         if i == len(lines):
             raise DataError(f"{path}:{i}: expected {what}, found the end of the file")
         i += 1
-        return lines[i - 1].strip(), i
+        return lines[i - 1].strip(_WS), i
 
     images, image_lines, parts = [], [], []
     while True:
-        while i < len(lines) and not lines[i].strip():
+        while i < len(lines) and not lines[i].strip(_WS):
             i += 1
         if i == len(lines):
             break
         n = len(images)
         text, line = field(f"'# {n}' opening image block {n}")
-        head = text.split()
-        if len(head) != 2 or head[0] != "#" or not head[1].lstrip("-").isdigit():
+        head = _SPLIT.split(text)
+        if len(head) != 2 or head[0] != "#" or not _IS_INT.fullmatch(head[1]):
             raise DataError(f"{path}:{line}: expected '# {n}' opening image block {n}, "
                             f"found {text!r}")
-        if int(head[1]) != n:
+        if _value(head[1]) != n:
             raise DataError(f"{path}:{line}: image index {head[1]}, expected {n}: windows "
                             "name their image by index, so the blocks must count 0, 1, 2, ...")
         name, line = field(f"the image path of image {n}")
@@ -117,14 +177,24 @@ def read_window_file(path: str | os.PathLike, root_folder: str = "") -> WindowFi
         dims, at = [], []
         for what in _FIELDS:
             text, line = field(f"the {what} of image {n}")
-            if not text.isdigit():
+            if not _IS_COUNT.fullmatch(text):
                 raise DataError(f"{path}:{line}: expected the {what} of image {n} (a "
                                 f"non-negative integer), found {text!r}")
-            dims.append(int(text))
+            if _value(text) > INT_MAX:
+                shown = text if len(text) <= 40 else text[:40] + "..."
+                raise DataError(f"{path}:{line}: the {what} of image {n} is {shown}; expected "
+                                f"a non-negative integer up to {INT_MAX} (a C int, as Caffe "
+                                "reads it)")
+            dims.append(_value(text))
             at.append(line)
         if dims[0] != 3:
             raise DataError(f"{path}:{at[0]}: image {n} has {dims[0]} channels; WindowData "
                             "reads every image in color, so the window file must give 3")
+        if dims[3] > len(lines) - i:  # before allocating: each window takes one line
+            k = sum(1 for s in lines[i:] if s.strip(_WS)) + 1
+            raise DataError(f"{path}:{len(lines)}: expected window {k} of {dims[3]} "
+                            "('class_index overlap x1 y1 x2 y2'), found the end of the file "
+                            f"(line {at[3]} gives {dims[3]} windows)")
         ints, overlap, where, i = _rows(path, lines, i, dims[3])
         index = np.full((len(ints), 1), n, np.int64)
         parts.append((np.hstack([index, ints]), overlap, where))
@@ -265,14 +335,16 @@ class WindowBatches(PooledBatches):
 
     def image(self, i: int) -> np.ndarray:
         w = self.windows
-        if self.cache is not None:
-            img = cv2.imdecode(self.cache[i], cv2.IMREAD_COLOR)
-        else:
-            img = cv2.imread(w.images[i], cv2.IMREAD_COLOR)
-        if img is None:
-            raise DataError(f"{w.path}:{w.image_lines[i]}: image '{w.images[i]}': cannot read "
-                            "the image (missing, unreadable or not an image)")
-        return img
+        where = f"{w.path}:{w.image_lines[i]}: image '{w.images[i]}'"
+        try:
+            data = self.cache[i] if self.cache is not None else \
+                read_bounded(w.images[i], BINARY_LIMIT, error=DataError)
+            # decode_image: no codec prints on stderr; it gives (C, H, W), OpenCV's own
+            # (H, W, C) transposed, so transposing back is free.
+            return decode_image(data, cv2.IMREAD_COLOR, where).transpose(1, 2, 0)
+        except DataError:
+            raise DataError(f"{where}: cannot read the image (missing, unreadable or not an "
+                            "image)") from None
 
     def read(self, k: int, pool: BufferPool) -> Batch:
         g = stream_batch(k, self.replica)

@@ -11,6 +11,7 @@ from google.protobuf import message, text_format
 
 from purine.errors import ProtoError
 from purine.formats import caffe_pb2 as pb
+from purine.formats.files import BINARY_LIMIT, TEXT_LIMIT, read_bounded
 from purine.formats.fork_fields import renumber_net
 from purine.formats.upgrade import net_needs_upgrade, upgrade_net, upgrade_net_input
 
@@ -59,22 +60,15 @@ def check_strings(msg: message.Message, filename: str, prefix: str = "") -> None
                                  "paths and names cannot contain one")
 
 
-def _read_bytes(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise ProtoError(f"{path}: cannot read: {e.strerror}") from None
-    except ValueError:  # a NUL in the path
-        raise ProtoError(f"{path!r}: not a valid file name (it holds a NUL character)") \
-            from None
+def _read_bytes(path: str, limit: int) -> bytes:
+    return read_bounded(path, limit, error=ProtoError)
 
 
 def read_binary(path: str | os.PathLike, msg: M, what: str = "") -> M:
     """Parse the binary protobuf file ``path`` into ``msg``, whatever its suffix; errors
     call the file ``what`` (default: the message's name)."""
     path = os.fspath(path)
-    data = _read_bytes(path)
+    data = _read_bytes(path, BINARY_LIMIT)
     if isinstance(msg, pb.NetParameter):
         # layers written by Caffe forks whose field numbers clash with BVLC's
         data = renumber_net(data)
@@ -90,7 +84,7 @@ def read_text(path: str | os.PathLike, msg: M) -> M:
     """Parse the text protobuf file ``path`` into ``msg``, whatever its suffix."""
     path = os.fspath(path)
     try:
-        text = _read_bytes(path).decode("utf-8")
+        text = _read_bytes(path, TEXT_LIMIT).decode("utf-8")
     except UnicodeDecodeError:
         raise ProtoError(
             f"{path}: not a text {msg.DESCRIPTOR.name} (binary data); binary files should "

@@ -5,6 +5,8 @@ check_size, transactions, map growth, the flags as gflags spells them, and user 
 import io
 import os
 import re
+import subprocess
+import sys
 
 import cv2
 import lmdb
@@ -327,3 +329,78 @@ def test_database_folder_holds_the_lmdb_files(imageset):
     tmp_path, listfile, _ = imageset
     assert run(tmp_path, listfile) == 0
     assert sorted(os.listdir(tmp_path / "db")) == ["data.mdb", "lock.mdb"]
+
+
+# -- issue 28: every flag checked before the database exists; codecs silent ------------------
+@pytest.mark.parametrize("flags, message", [
+    (("--encode_type", "exr"), r"encode_type 'exr': OpenCV cannot write that format as 8-bit "
+     r"color images that read back; use one of jpg, jpeg, jpe, png, bmp"),
+    (("--encode_type", "hdr"), r"encode_type 'hdr': .*use one of jpg"),  # float on reading
+    (("--encode_type", "png/x"), r"encode_type 'png/x'"),
+    (("--gray", "--encode_type", "ppm"), r"as 8-bit gray images .* use one of .*pgm"),
+    (("--resize_width", "2147483647", "--resize_height", "2147483647"),
+     r"a resized image holds 13835058042397261827 bytes, more than the 2147483583"),
+    (("--resize_width", "2147483648", "--resize_height", "1"),
+     r"--resize_width 2147483648: expected an int32"),
+    (("--backend", "rocksdb"), r"unknown backend 'rocksdb'"),
+])
+def test_bad_flags_refused_before_the_database(imageset, capsys, flags, message):
+    tmp_path, listfile, _ = imageset
+    assert run(tmp_path, listfile, *flags) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err), err
+    assert not (tmp_path / "db").exists()
+
+
+def test_guessed_encodings_checked_before_the_database(imageset, capsys):
+    tmp_path, listfile, _ = imageset
+    listfile.write_text(listfile.read_text() + "d/pic.exr 1\n")
+    assert run(tmp_path, listfile, "--encoded") == 1
+    err = capsys.readouterr().err
+    assert re.search(r"list.txt:6: the encoding of 'd/pic.exr', 'exr': OpenCV cannot write", err)
+    assert not (tmp_path / "db").exists()
+
+
+def test_negative_seed_shuffles_as_caffe_does(imageset):
+    """Caffe's seed -1 means 'unseeded': the order is a permutation drawn from the system's
+    entropy, and the seed drawn is logged, so that giving it repeats the order."""
+    tmp_path, listfile, entries = imageset
+    lines = Lines()
+    n = convert_imageset(tmp_path / "images", listfile, tmp_path / "db", shuffle=True, seed=-1,
+                         log=lines.log)
+    assert n == len(entries)
+    m = re.fullmatch(r"Shuffling data \(seed -1: unseeded, as in Caffe; drew seed (\d+)\)",
+                     lines.lines[0])
+    assert m, lines.lines[0]
+    got = [(k[9:], d.label) for k, d in datums(tmp_path / "db")]
+    assert sorted(got) == sorted((name, label) for name, label, _ in entries)
+    assert convert_imageset(tmp_path / "images", listfile, tmp_path / "again", shuffle=True,
+                            seed=int(m.group(1))) == n
+    assert [(k[9:], d.label) for k, d in datums(tmp_path / "again")] == got
+    assert main(["--shuffle", "--seed", "-1", str(tmp_path / "images") + "/", str(listfile),
+                 str(tmp_path / "cli")]) == 0
+
+
+def test_damaged_images_give_only_our_line(tmp_path):
+    """Damaged PNG, JPEG and TIFF files: stderr holds our one line, no word of OpenCV,
+    libpng, libjpeg or libtiff (they are silenced or captured)."""
+    rng = np.random.default_rng(3)
+    image = cv2.GaussianBlur(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), (5, 5), 2)
+    (tmp_path / "i").mkdir()
+    for ext in ("png", "jpg", "tiff", "bmp", "jp2"):
+        data = bytearray(cv2.imencode("." + ext, image)[1].tobytes())
+        cases = {"cut": data[:len(data) // 2], "head": data[:12]}
+        if ext == "png":
+            cases["crc"] = data[:60] + bytes([data[60] ^ 0x40]) + data[61:]
+        for name, bad in cases.items():
+            (tmp_path / "i" / f"{name}.{ext}").write_bytes(bytes(bad))
+            (tmp_path / "list.txt").write_text(f"{name}.{ext} 0\n")
+            r = subprocess.run([sys.executable, "-m", "purine.converters.convert_imageset",
+                                str(tmp_path / "i") + "/", str(tmp_path / "list.txt"),
+                                str(tmp_path / f"db_{name}_{ext}")],
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 1
+            errors = [s for s in r.stderr.splitlines() if not s.startswith("I1")]
+            assert errors == [f"convert_imageset: {tmp_path}/list.txt:1: cannot read "
+                              f"{tmp_path}/i/{name}.{ext}: OpenCV cannot decode it as an "
+                              "image"], (ext, name, r.stderr)

@@ -360,3 +360,40 @@ def test_without_matplotlib_a_clear_error(solver_log, tmp_path, monkeypatch, cap
     assert capsys.readouterr().err == (
         "purine-caffe plot: plot needs matplotlib: pip install 'purine-caffe[plot]'\n")
     assert not (tmp_path / "c.png").exists()
+
+
+# -- issue 28: delimiters a CSV reader cannot read back are refused in one line -------------
+@pytest.mark.parametrize("delimiter", ["\n", "\r", '"', "\x00", "\x1b", "\x7f"])
+def test_unreadable_delimiter_refused(tmp_path, capsys, delimiter):
+    log = _caffe_log(tmp_path, "caffe.INFO", year_prefix=True)
+    assert parse_log_main([str(log), str(tmp_path / "o"), "--delimiter", delimiter]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"parse_log: --delimiter {delimiter!r}: a CSV reader cannot read "
+                          "that back") and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()  # refused before anything is written
+    with pytest.raises(ConvertError, match="cannot read that back"):
+        parse_log(log, tmp_path / "p", delimiter)
+
+
+@pytest.mark.parametrize("delimiter", [",", ";", "\t", " ", "|", ".", "e", "'", "\u00e9"])
+def test_accepted_delimiters_read_back_with_csv(tmp_path, delimiter):
+    """Whatever delimiter is accepted, Python's csv module reads the rows back as written
+    (a delimiter found in a value, such as '.' in 0.0958, makes the writer quote it)."""
+    import csv
+
+    log = _caffe_log(tmp_path, "caffe.INFO", year_prefix=True)
+    parse_log(log, tmp_path / "o", delimiter)
+    parse_log(log, tmp_path / "ref", ",")
+    for suffix in (".train", ".test"):
+        with open(tmp_path / "o" / f"caffe.INFO{suffix}", newline="", encoding="utf-8") as f:
+            got = list(csv.reader(f, delimiter=delimiter))
+        with open(tmp_path / "ref" / f"caffe.INFO{suffix}", newline="") as f:
+            want = list(csv.reader(f))
+        assert got == want and len(want) >= 2
+    assert want[1] == ["0.0", "1.25", "0.00992565", "0.0958", "2.30366"]
+
+
+def test_endless_log_is_one_line():
+    with pytest.raises(ConvertError, match=r"^/dev/zero: cannot read the log: it is not a "
+                                           r"regular file \(a device\)$"):
+        read_training_log("/dev/zero")

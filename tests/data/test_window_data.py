@@ -278,3 +278,68 @@ def test_window_errors(files):
                                           r"leaves no region of .*a.png' \(height, width = "
                                           r"\(30, 40\)\)"):
         batches(window_net(root, 2, "fg_fraction: 0", source="one.txt"), 1)
+
+
+# -- hostile window files (issue 28): sizes before allocation, C ints, ASCII digits ----------
+HEAD = "# 0\na.png\n3\n30\n40\n"
+
+
+@pytest.mark.parametrize("text, message", [
+    # a count the file cannot hold: refused before anything is allocated for it
+    (HEAD + "1000000000000\n1 0.9 5 5 20 15\n", r"w.txt:6: the num_windows of image 0 is "
+     r"1000000000000; expected a non-negative integer up to "
+     r"2147483647"),
+    (HEAD + "2147483647\n1 0.9 5 5 20 15\n", r"w.txt:7: expected window 2 of 2147483647 .* "
+     r"found the end of the file \(line 6 gives 2147483647 windows\)"),
+    (HEAD + "3\n1 0.9 5 5 20 15\n\n\n", r"w.txt:9: expected window 2 of 3 .*end of the file"),
+    # numbers past a C int, up to 2^63 and beyond
+    (HEAD + "1\n1 0.9 5 5 20 9223372036854775808\n", r"w.txt:7: window y2 = "
+     r"9223372036854775808; expected an integer from -2147483648 to 2147483647"),
+    (HEAD + "1\n1 0.9 -2147483649 5 20 15\n", r"w.txt:7: window x1 = -2147483649"),
+    (HEAD + "1\n4294967296 0.9 5 5 20 15\n", r"w.txt:7: window class_index = 4294967296"),
+    ("# 0\na.png\n3\n99999999999999999999\n40\n0\n", r"w.txt:4: the height of image 0 is "
+     r"99999999999999999999; expected a non-negative integer up to 2147483647"),
+    (HEAD + "1\n1 0.9 5 5 20 " + "9" * 5000 + "\n", r"w.txt:7: window y2 = 9{40}\.\.\.; "
+     r"expected an integer from"),  # past int()'s 4300 digits
+    ("# 0\na.png\n3\n" + "1" * 5000 + "\n", r"w.txt:4: the height of image 0 is 1{40}\.\.\.;"),
+    (HEAD + "1\n1 1e39 5 5 20 15\n", r"w.txt:7: window overlap 1e39 does not fit a float"),
+    # digits str.isdigit() takes and int() refuses, or int() takes and C++ streams refuse
+    ("# \u00b2\na.png\n", r"w.txt:1: expected '# 0' opening image block 0, found '# \u00b2'"),
+    ("# 0\na.png\n\u00b3\n", r"w.txt:3: expected the channels of image 0 \(a non-negative "
+     r"integer\), found '\u00b3'"),
+    ("# 0\na.png\n3\n\u0663\u0660\n40\n0\n", r"w.txt:4: expected the height of image 0"),
+    (HEAD + "\u00b9\n", r"w.txt:6: expected the num_windows of image 0"),
+    (HEAD + "1\n1 0.9 5 5 20 1_5\n", r"w.txt:7: expected a window .* found '1 0.9 5 5 20 1_5'"),
+    (HEAD + "1\n1 0.9 5 5 20 \u00b9\u2075\n", r"w.txt:7: expected a window"),
+    (HEAD + "1\n1 \u0660.9 5 5 20 15\n", r"w.txt:7: expected a window"),
+    (HEAD + "1\n1 0.9 5 5 20\u300015\n", r"w.txt:7: expected a window"),
+    (HEAD + "1\n1 0.9 5 5 20 1e1\n", r"w.txt:7: expected a window"),
+    (HEAD + "1\n1 nan 5 5 20 15\n", r"w.txt:7: expected a window"),
+])
+def test_hostile_window_files(tmp_path, text, message):
+    (tmp_path / "w.txt").write_text(text, encoding="utf-8")
+    with pytest.raises(PurineError, match=message):
+        read_window_file(tmp_path / "w.txt")
+
+
+def test_numbers_at_the_c_int_edges_are_read(tmp_path):
+    (tmp_path / "w.txt").write_text("# +0\na.png\n+3\n+30\n040\n+2\n2147483647 0.5 -2147483648 +0 007 2147483647\n"
+                                           "1 .25 1 2 3 4\r\n")
+    w = read_window_file(tmp_path / "w.txt")
+    assert w.boxes.tolist() == [[0, 2147483647, -2147483648, 0, 7, 2147483647],
+                                [0, 1, 1, 2, 3, 4]]
+    assert w.overlap.tolist() == [0.5, 0.25]
+
+
+def test_endless_window_file_is_one_line():
+    with pytest.raises(PurineError, match=r"^/dev/zero: cannot read the window file: it is "
+                                          r"not a regular file \(a device\)$"):
+        read_window_file("/dev/zero")
+
+
+def test_damaged_cached_image_is_one_line(files):
+    root, _ = files
+    data = (root / "a.png").read_bytes()
+    (root / "a.png").write_bytes(data[:len(data) // 2])
+    with pytest.raises(PurineError, match=r"win.txt:2: image '.*a.png': cannot read the image"):
+        batches(window_net(root, 4, "cache_images: true"), 1)
