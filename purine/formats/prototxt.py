@@ -68,7 +68,11 @@ def read_binary(path: str | os.PathLike, msg: M, what: str = "") -> M:
     """Parse the binary protobuf file ``path`` into ``msg``, whatever its suffix; errors
     call the file ``what`` (default: the message's name)."""
     path = os.fspath(path)
-    data = _read_bytes(path, BINARY_LIMIT)
+    return parse_binary(_read_bytes(path, BINARY_LIMIT), msg, path, what)
+
+
+def parse_binary(data: bytes, msg: M, path: str, what: str = "") -> M:
+    """``read_binary`` of bytes already read from ``path`` (which the errors name)."""
     if isinstance(msg, pb.NetParameter):
         # layers written by Caffe forks whose field numbers clash with BVLC's
         data = renumber_net(data)

@@ -15,8 +15,9 @@ import numpy as np
 from purine.errors import ProtoError, PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import Chunks, blob_chunks, blob_to_array, nested_field
+from purine.formats.files import BINARY_LIMIT, read_bounded
 from purine.formats.hdf5_snapshot import PRIVATE_DATASET, read_private
-from purine.formats.prototxt import read_message
+from purine.formats.prototxt import parse_binary
 from purine.formats.wire import len_field, length_fields
 
 # A SolverState field number Caffe does not use: Caffe's reader keeps it as an unknown
@@ -135,9 +136,8 @@ def encode_solverstate(iteration: int, learned_net: str, current_step: int,
 def read_solverstate(path: str | os.PathLike) -> tuple[pb.SolverState, list[bytes]]:
     """A binary SolverState's message and its private-state payloads (none in Caffe's)."""
     path = os.fspath(path)
-    state = read_message(path, pb.SolverState())
-    with open(path, "rb") as f:
-        return state, private_fields(f.read(), path)
+    data = read_bounded(path, BINARY_LIMIT, error=ProtoError)  # read once: parsed twice
+    return parse_binary(data, pb.SolverState(), path), private_fields(data, path)
 
 
 def history_array(path: str, k: int, blob: pb.BlobProto, name: str, count: int) -> np.ndarray:
@@ -162,9 +162,8 @@ def snapshot_seed(path: str | os.PathLike) -> int | None:
         payload = read_private(path)
         return None if payload is None else parse_private(payload, h5_where(path))["seed"]
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
+        data = read_bounded(path, BINARY_LIMIT, error=ProtoError)
+    except ProtoError:
         return None  # the restore reports the file
     for payload in private_fields(data, path):
         return parse_private(payload, field_where(path))["seed"]
