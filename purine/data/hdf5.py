@@ -8,12 +8,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
 from purine.backend import to_host
 from purine.data import DataError
 from purine.data.prefetch import Batch, BufferPool, stream_batch
+from purine.formats.hdf5_snapshot import H5_ERRORS, H5Reader, hdf5_reason
 
 _SHUFFLE = 0x5E1F
 
@@ -44,32 +46,23 @@ def read_file_list(source: str | os.PathLike) -> list[str]:
 
 
 class HDF5Source:
-    """The files of one HDF5Data layer, checked when the net is built: every file has a
-    dataset per top, with one row count across the tops and the first file's row shape."""
+    """The files of one HDF5Data layer, checked when the net is built (before iteration 0):
+    every file has a dataset per top, of integers or floats (Caffe's rule) with at least one
+    axis and every value stored, with one row count across the tops and the first file's row
+    shape. Links that loop or lead to a missing file are refused here too."""
 
     def __init__(self, source: str | os.PathLike, tops: Sequence[str], *, shuffle: bool,
                  dtype: str, seed: int = 0, index: int = 0):
-        h5py = h5py_module()
+        self.h5py = h5py_module()
         self.source, self.tops = os.fspath(source), list(tops)
         self.files = read_file_list(self.source)
         self.shuffle, self.dtype, self.seed, self.index = shuffle, np.dtype(dtype), seed, index
         self.rows: list[int] = []
         self.row_shapes: list[tuple[int, ...]] = []
         for path in self.files:
-            try:
-                with h5py.File(path, "r") as f:
-                    shapes = []
-                    for t in self.tops:
-                        if t not in f or not isinstance(f[t], h5py.Dataset):
-                            raise DataError(f"HDF5 file '{path}' (listed in '{self.source}') "
-                                            f"has no dataset '{t}' for top '{t}'")
-                        if f[t].ndim < 1:
-                            raise DataError(f"HDF5 file '{path}': dataset '{t}' is a scalar; "
-                                            "it needs at least 1 axis")
-                        shapes.append(tuple(f[t].shape))
-            except OSError as e:
-                raise DataError(f"HDF5 file '{path}' (listed in '{self.source}') cannot be "
-                                f"read: {e}") from None
+            r = self._reader(path)
+            with self._open(r, path) as f:
+                shapes = [self._shape(r, f, path, t) for t in self.tops]
             n = shapes[0][0]
             for t, s in zip(self.tops, shapes):
                 if s[0] != n:
@@ -86,6 +79,26 @@ class HDF5Source:
                 self.row_shapes = [s[1:] for s in shapes]
             self.rows.append(n)
         self.total = sum(self.rows)
+
+    def _reader(self, path: str) -> H5Reader:
+        return H5Reader(self.h5py, f"HDF5 file '{path}' (listed in '{self.source}')", DataError)
+
+    @staticmethod
+    def _open(r: H5Reader, path: str) -> Any:
+        try:
+            return r.h5py.File(path, "r")
+        except H5_ERRORS as e:
+            r.fail(f"cannot be read: {hdf5_reason(e)}")
+
+    def _shape(self, r: H5Reader, f: Any, path: str, top: str) -> tuple[int, ...]:
+        """The checked shape of the dataset for ``top``, read from its header only."""
+        if r.member(f, top, top, "a dataset") is None:
+            r.fail(f"has no dataset '{top}' for top '{top}'")
+        shape = r.numbers(r.dataset(f, top, top), top)
+        if not shape:
+            raise DataError(f"HDF5 file '{path}': dataset '{top}' is a scalar; it needs at "
+                            "least 1 axis")
+        return shape
 
     def _order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -116,14 +129,19 @@ class HDF5Source:
         return files, rows
 
     def load(self, f: int) -> list[np.ndarray]:
-        h5py = h5py_module()
+        """File ``f``'s datasets, whole, in the net's dtype; checked again (a file may have
+        changed since the net was built), and the rows it had then."""
         path = self.files[f]
-        try:
-            with h5py.File(path, "r") as h:
-                return [np.asarray(h[t][...], dtype=self.dtype) for t in self.tops]
-        except (OSError, KeyError) as e:
-            raise DataError(f"HDF5 file '{path}' (listed in '{self.source}') cannot be "
-                            f"read: {e}") from None
+        r = self._reader(path)
+        out = []
+        with self._open(r, path) as h:
+            for t, rows in zip(self.tops, self.row_shapes):
+                ds = r.dataset(h, t, t)
+                if r.numbers(ds, t) != (self.rows[f],) + rows:
+                    r.fail(f"dataset '{t}' has changed shape since the net was built")
+                with np.errstate(over="ignore"):  # float64 past float32's range: inf
+                    out.append(r.read(ds, t).astype(self.dtype, copy=False))
+        return out
 
 
 class HDF5Batches:
