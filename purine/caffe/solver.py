@@ -899,7 +899,13 @@ class Solver:
     def _restore_hdf5(self, path: str | os.PathLike) -> None:
 
         path = os.fspath(path)
-        state = read_state(path)
+        # Counted and shaped as _restore_history fits them, checked before a value is read.
+        layout = self._history_layout()
+        m = len(layout.params)
+        need = len(self._history()) // len(self.updates) * m if self.updates else 0
+        state = read_state(path, [(layout.params[k % m].name, layout.params[k % m].shape)
+                                  for k in range(need)],
+                           f"the '{self.param.type}' solver of this net")
         if state.private is not None:
             where = h5_where(path)
             self._restore_plan(self._private_plan(state.private, where), where)
