@@ -5,7 +5,6 @@ become LMDBs or LevelDBs whose keys and serialized Datums equal those Caffe's to
 from __future__ import annotations
 
 import argparse
-import gzip
 import os
 import sys
 import zlib
@@ -17,6 +16,7 @@ from purine.converters import ConvertError, flag, run_main
 from purine.converters.convert_imageset import write_datums
 from purine.data import db as backends
 from purine.data.datum import encode_datums
+from purine.formats.files import BINARY_LIMIT, read_bounded
 from purine.log import get_logger
 
 IMAGE_MAGIC = 2051  # IDX: unsigned bytes (0x08), 3 dimensions
@@ -39,16 +39,25 @@ def _read_bytes(path: str) -> tuple[bytes, str]:
     if not os.path.exists(path) and os.path.isfile(path + ".gz"):
         path += ".gz"
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise ConvertError(f"{path}: cannot open the file: {e.strerror}") from None
+        data = read_bounded(path, BINARY_LIMIT, error=ConvertError)
+    except ConvertError as e:
+        raise ConvertError(f"{path}: cannot open the file: {str(e).rsplit(': ', 1)[-1]}") \
+            from None
     if data[:2] == _GZIP:
+        # Bounded as the file itself: a small gzip may inflate to any size.
+        inflate = zlib.decompressobj(zlib.MAX_WBITS | 16)
         try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError, zlib.error) as e:
+            data = inflate.decompress(data, BINARY_LIMIT + 1)
+        except zlib.error as e:
             raise ConvertError(f"{path}: starts as a gzip file but cannot be gunzipped "
                                f"({e}); the download is damaged or truncated") from None
+        if len(data) > BINARY_LIMIT:
+            raise ConvertError(f"{path}: gunzips to more than {BINARY_LIMIT} bytes; an MNIST "
+                               "file is at most 47 MB")
+        if not inflate.eof:
+            raise ConvertError(f"{path}: starts as a gzip file but cannot be gunzipped "
+                               "(it ends before gzip's end-of-stream marker); the download "
+                               "is damaged or truncated")
     return data, path
 
 
@@ -220,11 +229,8 @@ def _cifar_count(path: str) -> int:
 
 
 def _cifar_records(path: str, first_key: int) -> Iterator[tuple[str, bytes]]:
-    try:
-        with open(path, "rb") as f:
-            raw = np.frombuffer(f.read(), np.uint8)
-    except OSError as e:
-        raise ConvertError(f"{path}: cannot read the CIFAR-10 batch: {e.strerror}") from None
+    raw = np.frombuffer(read_bounded(path, CIFAR_RECORD * CIFAR_BATCH, what="the CIFAR-10 batch",
+                                     error=ConvertError), np.uint8)
     table = raw.reshape(-1, CIFAR_RECORD)
     pixels = table[:, 1:].reshape(-1, 3, CIFAR_SIDE, CIFAR_SIDE)
     for k, value in enumerate(_datums(pixels, table[:, 0])):

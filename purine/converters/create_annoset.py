@@ -25,6 +25,7 @@ from purine.converters.convert_imageset import (
 )
 from purine.errors import ProtoError
 from purine.formats import caffe_pb2 as pb
+from purine.formats.files import TEXT_LIMIT, read_bounded, read_bounded_text
 from purine.formats.prototxt import read_text
 from purine.log import get_logger
 
@@ -50,11 +51,7 @@ def read_label_map(path: str | os.PathLike, check_label: bool = False) -> dict[s
 
 def read_list_pairs(path: str) -> list[tuple[str, str, int]]:
     """(image, second field, line number) per non-blank line of ``image field`` pairs."""
-    try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as f:
-            text = f.read()
-    except OSError as e:
-        raise ConvertError(f"{path}: cannot read the list file: {e.strerror}") from None
+    text = read_bounded_text(path, what="the list file", error=ConvertError)
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         parts = line.split()
@@ -70,9 +67,9 @@ def read_list_pairs(path: str) -> list[tuple[str, str, int]]:
 def read_txt_boxes(path: str, height: int, width: int) -> list[Box]:
     """The fork's txt box file: rows ``label xmin ymin xmax ymax`` in pixels."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+        lines = read_bounded(path, TEXT_LIMIT, what="the box file",
+                             error=ConvertError).decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
         raise ConvertError(f"{path}: cannot read the box file: {e}") from None
     boxes = []
     for n, line in enumerate(lines, 1):

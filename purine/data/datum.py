@@ -232,6 +232,22 @@ def _imdecode_captured(data: np.ndarray, flag: int) -> tuple[np.ndarray | None, 
     return img, " ".join((" ".join(said.split()) + " " + error).split())
 
 
+def imdecode_quiet(buf: bytes | np.ndarray, flag: int) -> tuple[np.ndarray | None, str]:
+    """``cv2.imdecode`` of a non-empty buffer with no codec writing to stderr: the image
+    (None where it cannot be decoded) and what the codec said, in one line ("" if nothing)."""
+    data = np.frombuffer(buf, np.uint8)
+    head = bytes(data[:8])
+    sound = not (head.startswith(_PNG_SIGNATURE) or head.startswith(b"\xff\xd8")) \
+        or _looks_sound(data.tobytes() if isinstance(buf, np.ndarray) else bytes(buf))
+    with opencv_quiet():
+        if not sound:
+            return _imdecode_captured(data, flag)
+        try:
+            return cv2.imdecode(data, flag), ""
+        except cv2.error as e:
+            return None, " ".join(str(e).split())
+
+
 def decode_image(buf: bytes | np.ndarray, flag: int, where: str) -> Image:
     """An encoded image (JPEG, PNG, ...) decoded by OpenCV as (C, H, W) uint8. No codec
     writes to stderr: a damaged image is our one DataError, or (when OpenCV still decodes
@@ -239,19 +255,7 @@ def decode_image(buf: bytes | np.ndarray, flag: int, where: str) -> Image:
     if len(buf) == 0:  # OpenCV asserts on an empty buffer instead of failing the decode
         raise DataError(f"{where}: encoded Datum with no data bytes; expected an image "
                         "file's bytes (JPEG, PNG, ...)")
-    data = np.frombuffer(buf, np.uint8)
-    head = bytes(data[:8])
-    sound = not (head.startswith(_PNG_SIGNATURE) or head.startswith(b"\xff\xd8")) \
-        or _looks_sound(data.tobytes() if isinstance(buf, np.ndarray) else bytes(buf))
-    said = ""
-    with opencv_quiet():
-        if sound:
-            try:
-                img = cv2.imdecode(data, flag)
-            except cv2.error as e:
-                img, said = None, " ".join(str(e).split())
-        else:
-            img, said = _imdecode_captured(data, flag)
+    img, said = imdecode_quiet(buf, flag)
     if img is None:
         raise DataError(f"{where}: cannot decode the encoded image ({len(buf)} bytes); "
                         "the record is truncated or not an image OpenCV reads"

@@ -15,6 +15,7 @@ import numpy as np
 from purine.backend import to_host
 from purine.data import DataError
 from purine.data.prefetch import Batch, BufferPool, stream_batch
+from purine.formats.files import read_bounded_text
 from purine.formats.hdf5_snapshot import H5_ERRORS, H5Reader, hdf5_reason
 
 _SHUFFLE = 0x5E1F
@@ -33,11 +34,7 @@ def read_file_list(source: str | os.PathLike) -> list[str]:
     """The whitespace-separated file names of a list file; a relative name is taken from
     the working directory, as Caffe does, else from the list file's directory."""
     source = os.fspath(source)
-    try:
-        with open(source, encoding="utf-8") as f:
-            names = f.read().split()
-    except OSError as e:
-        raise DataError(f"HDF5 list '{source}': cannot read: {e.strerror}") from None
+    names = read_bounded_text(source, what="the HDF5 list", error=DataError).split()
     if not names:
         raise DataError(f"HDF5 list '{source}' lists no files")
     base = os.path.dirname(source)

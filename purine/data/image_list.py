@@ -12,9 +12,10 @@ import cv2
 import numpy as np
 
 from purine.data import DataError
-from purine.data.datum import Image, check_depth
+from purine.data.datum import Image, check_depth, decode_image
 from purine.data.prefetch import Batch, BufferPool, PooledBatches, stream_batch
 from purine.data.transformer import Transformer
+from purine.formats.files import BINARY_LIMIT, read_bounded, read_bounded_text
 
 _LINE = re.compile(r"(.*)\s(\S+)")  # path, then the label after the last whitespace
 _SHUFFLE = 0x5E1F  # keeps the epoch permutations' streams apart from the transforms'
@@ -25,11 +26,7 @@ def read_list(path: str | os.PathLike) -> list[tuple[str, int, int]]:
     is the integer after the last space (or tab), as Caffe's ImageDataLayer and
     convert_imageset split a line, so paths may hold spaces."""
     path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8", errors="surrogateescape") as f:
-            text = f.read()
-    except OSError as e:
-        raise DataError(f"{path}: cannot read the list file: {e.strerror}") from None
+    text = read_bounded_text(path, what="the list file", error=DataError)
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -90,14 +87,17 @@ class ImageList:
 
     def image(self, entry: tuple[str, int, int]) -> Image:
         """Caffe's ReadImageToCVMat: imread color or gray, then cv2.resize if asked."""
-        path = self.root + entry[0]
-        img = cv2.imread(path, cv2.IMREAD_COLOR if self.is_color else cv2.IMREAD_GRAYSCALE)
-        if img is None:
-            raise DataError(f"{self.where(entry)}: cannot read the image (missing, "
-                            "unreadable or not an image)")
+        where = self.where(entry)
+        try:
+            data = read_bounded(self.root + entry[0], BINARY_LIMIT, error=DataError)
+        except DataError as e:
+            raise DataError(f"{where}: cannot read the image ({str(e).rsplit(': ', 1)[-1]})") \
+                from None
+        img = decode_image(data, cv2.IMREAD_COLOR if self.is_color else cv2.IMREAD_GRAYSCALE,
+                           where)  # (C, H, W), a view of OpenCV's (H, W, C)
         if self.size is not None:
-            img = cv2.resize(img, self.size)
-        return check_depth(img, self.where(entry))
+            img = check_depth(cv2.resize(img.transpose(1, 2, 0), self.size), where)
+        return img
 
 
 class ImageBatches(PooledBatches):

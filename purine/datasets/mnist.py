@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from purine.errors import PurineError
+from purine.formats.files import read_bounded
 
 DATA_FILE = Path(__file__).with_name("mnist_5k.npz")
 SHA256 = "e613f869dab204a63ca426b433eb82b9fbeea13c331b12de387c1c5339df8224"
@@ -30,11 +31,7 @@ def load_mnist_5k(path: str | os.PathLike | None = None) -> tuple[np.ndarray, np
     (5000,), in the source's order, which is sorted by label (500 zeros first): shuffle
     before training, since Caffe's Data layer reads an LMDB in key order."""
     path = Path(path) if path is not None else DATA_FILE
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise PurineError(f"{path}: cannot read the embedded MNIST subset: {e.strerror}") \
-            from None
+    data = read_bounded(path, 64 << 20, what="the embedded MNIST subset")  # it is 1.5 MB
     digest = hashlib.sha256(data).hexdigest()
     if digest != SHA256:
         raise PurineError(f"{path}: SHA-256 {digest} is not the embedded MNIST subset's "

@@ -33,6 +33,7 @@ from purine.caffe.facts import CHANNELS, SplitRefused, TowerSplit, facts, types_
 from purine.errors import LayerError, ProtoError, PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.formats.caffemodel import load_weights, save_net
+from purine.formats.files import TEXT_LIMIT, read_bounded
 from purine.formats.hdf5_snapshot import write_weights
 from purine.formats.prototxt import filter_net, insert_splits, read_net
 from purine.formats.weights import fit_shape, layer_arrays
@@ -81,10 +82,9 @@ def read_placement(path: str | os.PathLike, net_param: pb.NetParameter
     line."""
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ProtoError(f"{path}: cannot read: {getattr(e, 'strerror', None) or e}") from None
+        text = read_bounded(path, TEXT_LIMIT, error=ProtoError).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ProtoError(f"{path}: cannot read: {e}") from None
     known = [layer.name for layer in net_param.layer]
     toks = _tokens(text, path)
     out: dict[str, tuple[Location | str, ...]] = {}

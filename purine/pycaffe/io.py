@@ -16,10 +16,11 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from purine.data import DataError
-from purine.data.datum import encode_datum
+from purine.data.datum import encode_datum, imdecode_quiet
 from purine.errors import ProtoError, PurineError
 from purine.formats import caffe_pb2
 from purine.formats.caffemodel import array_to_blob, shape_problem
+from purine.formats.files import BINARY_LIMIT, read_bounded
 from purine.graph import CPU
 from purine.runtime.memory import check_capacity
 
@@ -222,13 +223,13 @@ def load_image(filename: str | os.PathLike, color: bool = True) -> np.ndarray:
     if not os.path.isfile(path):  # a directory or a device is not read at all
         raise ImageReadError(f"load_image: cannot read '{path}' (no such file)")
     try:
-        img = cv2.imread(path, cv2.IMREAD_UNCHANGED)
-    except cv2.error as e:  # OpenCV refuses a header past its pixel limit this way
-        raise ImageReadError(f"load_image: cannot decode '{path}': "
-                             f"{str(e).strip().splitlines()[-1]}") from None
+        data = read_bounded(path, BINARY_LIMIT, error=ImageReadError)
+    except ImageReadError as e:
+        raise ImageReadError(f"load_image: {e}") from None
+    img, said = imdecode_quiet(data, cv2.IMREAD_UNCHANGED) if data else (None, "")
     if img is None or img.size == 0:
         raise ImageReadError(f"load_image: cannot read '{path}' (not an image OpenCV "
-                             "decodes, or damaged)")
+                             f"decodes, or damaged{': ' + said if said else ''})")
     if img.dtype == np.uint8 or img.dtype == np.uint16:
         img = img.astype(np.float64) / np.iinfo(img.dtype).max
     else:

@@ -13,7 +13,7 @@ import pytest
 
 from purine.caffe import TEST
 from purine.cli import main
-from purine.converters import ConvertError
+from purine.converters import ConvertError, caffe_datasets
 from purine.converters.caffe_datasets import (
     convert_cifar_data,
     convert_mnist_data,
@@ -307,11 +307,13 @@ def run_one_line(capsys, argv):
     ("header", "truncated: 10 bytes, but the IDX header alone is 16 bytes"),
     ("longer", "longer than its header says: the header announces 3 labels = 3 bytes"),
     ("bad_gzip", "starts as a gzip file but cannot be gunzipped"),
+    ("gzip_bomb", "gunzips to more than 64 bytes; an MNIST file is at most 47 MB"),
     ("missing", "cannot open the file: No such file or directory"),
+    ("device", "/dev/zero: cannot open the file: it is not a regular file (a device)"),
     ("backend", "unknown backend 'rocksdb'; use lmdb or leveldb"),
     ("exists", "already exists; remove it or choose another name"),
 ])
-def test_mnist_bad_input(tmp_path, capsys, case, expected):
+def test_mnist_bad_input(tmp_path, capsys, monkeypatch, case, expected):
     kw = {"image_magic": 2049} if case == "image_magic" else \
         {"label_magic": 7} if case == "label_magic" else \
         {"n_labels": 4} if case == "count" else {}
@@ -326,8 +328,13 @@ def test_mnist_bad_input(tmp_path, capsys, case, expected):
         labels.write_bytes(labels.read_bytes() + b"\x00")
     elif case == "bad_gzip":
         images.write_bytes(gzip.compress(images.read_bytes())[:30])
+    elif case == "gzip_bomb":  # 65 bytes of pixels past a bound of 64: refused, not inflated
+        monkeypatch.setattr(caffe_datasets, "BINARY_LIMIT", 64)
+        images.write_bytes(gzip.compress(images.read_bytes() + bytes(65)))
     elif case == "missing":
         images = tmp_path / "nope"
+    elif case == "device":
+        images = "/dev/zero"
     elif case == "backend":
         flags = ["--backend=rocksdb"]
     elif case == "exists":
