@@ -10,6 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from purine.backend import synchronize
+from purine.backend.onednn import pass_scope
 from purine.caffe.net import Net
 
 
@@ -30,6 +31,11 @@ class Timing:
 
 def time_net(net: Net, iterations: int, log: logging.Logger | None = None) -> Timing:
     """Run Caffe's benchmark on ``net`` and, given ``log``, print its lines."""
+    with pass_scope():  # the kernels' thread settings once for the run, not per pass
+        return _time_net(net, iterations, log)
+
+
+def _time_net(net: Net, iterations: int, log: logging.Logger | None) -> Timing:
     info = log.info if log else (lambda *a: None)
     # The initial pass allocates the arrays and warms caches; it is outside every figure.
     info("Performing Forward")
