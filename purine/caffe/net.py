@@ -4,6 +4,7 @@ backward) run by the dispatcher."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -12,7 +13,13 @@ from typing import Any
 import numpy as np
 
 from purine.backend import assign, is_device_array, to_host
-from purine.caffe.fillers import fill
+from purine.caffe.fillers import (
+    FILL_SLACK,
+    check_filler,
+    fill,
+    fill_into,
+    fill_scratch_bytes,
+)
 from purine.caffe.layer import BUILDERS, LayerBuild, LegacyAxes
 from purine.caffe.setup_log import setup_log
 from purine.errors import LayerError, PurineError
@@ -60,6 +67,21 @@ def _log_norms(*arrays: Any, switch: DebugInfo) -> None:
                            "L2 norm = (%g, %g)", *l1, *l2)
 
 
+class Filling:
+    """A parameter's filler, drawn when the net's storage exists: straight into the
+    parameter's array in its dtype (no float64 copy of the whole parameter), after every
+    blob of the net passed the memory check."""
+
+    def __init__(self, filler: pb.FillerParameter, rng: np.random.Generator, layer: str):
+        self.filler, self.rng, self.layer = filler, rng, layer
+
+    def into(self, target: Any) -> None:
+        if isinstance(target, np.ndarray) and target.flags.c_contiguous:
+            fill_into(self.filler, target, self.rng, self.layer)
+        else:  # a device array: drawn on the host (float32), then copied over
+            assign(target, fill(self.filler, tuple(target.shape), self.rng, self.layer))
+
+
 class NetBuilder:
     """Builds the graph of one net for one NetState (phase, level, stages)."""
 
@@ -100,8 +122,13 @@ class NetBuilder:
         self.data: dict[str, Blob] = {}  # Caffe blob name -> its data blob
         self.blob_names: list[str] = []  # in Caffe's order (net.blobs)
         self.layers: list[LayerBuild] = []
-        self.initial: dict[Blob, np.ndarray] = {}
+        # A parameter's first value: an array, or the filler that draws it into the
+        # parameter's own storage once the whole net is known to fit (see Filling)
+        self.initial: dict[Blob, np.ndarray | Filling] = {}
         self._param_bytes: dict[tuple, int] = {}  # the parameters' bytes by memory space
+        self._blob_bytes: dict[tuple, int] = {}  # every blob's bytes so far, by memory space
+        self._counted = 0  # graph blobs counted in _blob_bytes
+        self._scratch: list[tuple[Location, int, str]] = []  # a layer's op workspaces
         self.loss_tops: list[tuple[Blob, float]] = []
         self.seed_ops: list[Op] = []
         self._diffs: dict[str, Blob] = {}
@@ -207,12 +234,32 @@ class NetBuilder:
         self._param_uses[b] = [(layer, k)]
         if self.base is not None:
             return b
+        # Checked with the filler's temporaries; nothing is allocated or drawn until every
+        # layer is built and the whole net is known to fit.
         space, need = location.memory, blob_nbytes(b)
-        check_capacity(location, need, self._param_bytes.get(space, 0),
-                       f"parameter {k} {shape} {b.dtype}")
+        filler = filler or pb.FillerParameter()
+        held, what = self._param_bytes.get(space, 0), f"parameter {k} {shape} {b.dtype}"
+        check_capacity(location, need, held, what)
+        scratch = fill_scratch_bytes(filler, shape)
+        if scratch > FILL_SLACK:  # positive_unitball's long rows
+            check_capacity(location, need + scratch, held, f"{what} and its filler's scratch",
+                           verb="ask")
         self._param_bytes[space] = self._param_bytes.get(space, 0) + need
-        self.initial[b] = fill(filler or pb.FillerParameter(), shape, rng, layer)
+        check_filler(filler, shape, layer)  # refused now, under the layer's name
+        self.initial[b] = Filling(filler, rng, layer)
         return b
+
+    def require_scratch(self, location: Location, nbytes: int, what: str) -> None:
+        """An op's workspace of ``nbytes`` (im2col columns, a padded copy) must fit beside
+        every blob of the net up to the layer asking (checked once its blobs are counted):
+        refused at build time, not at the op's run."""
+        self._scratch.append((location, nbytes, what))
+
+    def _check_scratch(self) -> None:
+        for location, nbytes, what in self._scratch:
+            check_capacity(location, nbytes, 0, what)  # alone, then beside the blobs
+            check_capacity(location, nbytes, self._blob_bytes.get(location.memory, 0), what)
+        self._scratch.clear()
 
     def param_diff(self, layer: str, k: int, param: Blob) -> Blob:
         """The gradient ``layer``'s use ``k`` of ``param`` writes (its own blob where the
@@ -239,22 +286,32 @@ class NetBuilder:
         return self.graph.blob(name, b.shape, b.dtype, b.location)
 
     # -- building ----------------------------------------------------------------------
-    @staticmethod
-    def _check_sizes(new: Sequence[Blob]) -> None:
-        """The blobs a layer added must fit in memory together (they are allocated when the
-        net first runs; refused here, with the layer's name, rather than there)."""
+    def _check_sizes(self) -> None:
+        """The blobs added since the last check must fit in memory beside every blob before
+        them (all are allocated when the net first runs; refused here, before any is, with
+        the name of the layer that adds them)."""
+        blobs = list(self.graph.blobs.values())
+        new, self._counted = blobs[self._counted:], len(blobs)
         by_space: dict[tuple, list[Blob]] = {}
         for b in new:
             by_space.setdefault(b.location.memory, []).append(b)
-        for blobs in by_space.values():
-            big = max(blobs, key=blob_nbytes)
-            if len(blobs) == 1:
-                check_capacity(big.location, blob_nbytes(big), 0,
-                               f"blob '{big.name}' {big.shape} {big.dtype}")
+            # An empty blob takes no memory, but an array's axes must still describe fewer
+            # than 2^63 bytes (NumPy multiplies the other axes): (0, 2^31-1, 2^31-1) cannot.
+            span = math.prod(d for d in b.shape if d) * np.dtype(b.dtype).itemsize
+            if b.count == 0 and span >= 2 ** 63:
+                raise PurineError(f"blob '{b.name}' {b.shape} {b.dtype} is empty, but its other "
+                                  "axes are too long for an array (2^63 bytes or more)")
+        for space, group in by_space.items():
+            big = max(group, key=blob_nbytes)
+            need, held = sum(map(blob_nbytes, group)), self._blob_bytes.get(space, 0)
+            if len(group) == 1:
+                what, verb = f"blob '{big.name}' {big.shape} {big.dtype}", "asks"
             else:
-                check_capacity(big.location, sum(map(blob_nbytes, blobs)), 0,
-                               f"its {len(blobs)} blobs (the largest '{big.name}' {big.shape} "
-                               f"{big.dtype})", verb="ask")
+                what, verb = (f"its {len(group)} blobs (the largest '{big.name}' {big.shape} "
+                              f"{big.dtype})"), "ask"
+            check_capacity(big.location, need, 0, what, verb=verb)  # alone, then with the rest
+            check_capacity(big.location, need, held, what, verb=verb)
+            self._blob_bytes[space] = held + need
 
     def _build(self) -> None:
         backwards = []
@@ -272,10 +329,10 @@ class NetBuilder:
             repeat = lp.name in names
             names.add(lp.name)
             L = LayerBuild(self, lp, i, f"{lp.name}#{i}" if repeat else None)
-            before = len(self.graph.blobs)
             try:
                 backwards.append(builder(L))
-                self._check_sizes(list(self.graph.blobs.values())[before:])
+                self._check_sizes()
+                self._check_scratch()
             except LayerError:
                 raise
             except PurineError as e:
@@ -309,7 +366,14 @@ class NetBuilder:
                         kernel(tensor.fill, value=w), diff.location))
         for L, backward in zip(reversed(self.layers), reversed(backwards)):
             if backward is not None and any(L.bottom_need + L.param_need):
-                backward()
+                try:
+                    backward()
+                    self._check_sizes()  # the gradients it adds
+                    self._check_scratch()
+                except LayerError:
+                    raise
+                except PurineError as e:
+                    raise L.error(str(e)) from None
                 for i in L.mirrors:  # gradients back to their bottoms' memory
                     grad = L.bottom_diff(i)
                     if self.graph.writers(grad):
@@ -328,6 +392,7 @@ class NetBuilder:
                 self.graph.remove_ops(L.save_ops)
                 L.forward_ops = [op for op in L.forward_ops if op not in L.save_ops]
         self._sum_shared_diffs()
+        self._check_sizes()
         if self.debug and self.layers and any(L.backward_ops for L in self.layers):
             params = self.learnable_params
             grads = [self.param_grad(w) for w in params]
@@ -579,7 +644,11 @@ class Net:
         for blob in list(b.initial):  # the filled values go in, and need not stay twice
             value = b.initial.pop(blob)
             if self.host is None or blob.location.host == self.host:
-                assign(b.dispatcher.array(blob), value)
+                target = b.dispatcher.array(blob)
+                if isinstance(value, Filling):
+                    value.into(target)
+                else:
+                    assign(target, value)
         self._builds[(b.prefix, b.upto)] = b
         self._use(b)
         self.layer_names = [L.param.name for L in b.layers]

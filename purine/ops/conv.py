@@ -109,6 +109,20 @@ def _size(shape: tuple[int, ...]) -> int:
     return size
 
 
+def workspace_bytes(g: ConvGeometry, itemsize: int) -> int:
+    """An upper bound on the scratch one of ``g``'s kernels holds at a time (a chunk's
+    columns, padded copy, column shifts, col2im accumulator and output matrices; the GPU's
+    buffers are no larger), in bytes of ``itemsize``: the layer checks it against memory
+    when it is built, before any of it is allocated."""
+    p = g.out_h * g.out_w
+    hp, wp = g.height + 2 * g.pad_h, g.width + 2 * g.pad_w
+    k = g.channels * g.kernel_h * g.kernel_w
+    per_sample = ((k + 1) * p + 2 * g.channels * hp * wp + g.channels * g.kernel_w * hp * g.out_w
+                  + 2 * g.num_output * p)
+    n = max(COL_BUDGET // max(k * p, 1), -(-MIN_COLUMNS // max(p, 1)))  # as _Workspace
+    return min(g.num, max(1, n)) * per_sample * itemsize
+
+
 def _layout(g: ConvGeometry, forward: bool) -> str:
     """The column layout of ``g``'s im2col for the forward pass or the weight gradient:
     "rows", "samples" or "cols" (see the tuning notes above)."""
@@ -337,6 +351,8 @@ def _group_gemm(xp: Any, a: Array, b: Array, out: Array, ng: int, a_axis: int, b
 
 def _conv_forward_gpu(x: Array, w: Array, *rest: Array, geom: ConvGeometry) -> None:
     *b, y = rest
+    if geom.num == 0:  # an empty batch: y is empty
+        return
     _gpu_forward(get_array_module(x), cuda.kernel, x, w, b[0] if b else None, y, geom)
 
 
@@ -345,6 +361,8 @@ def conv_forward(x: Array, w: Array, *rest: Array, geom: ConvGeometry) -> None:
     """y = w * x (+ b): ``rest`` is (b, y) or (y,)."""
     *b, y = rest
     g = geom
+    if g.num == 0:  # an empty batch: y is empty
+        return
     _dnnl = onednn.get()
     if _dnnl is not None and _dnnl.conv_forward(x, w, b[0] if b else None, y, g):
         return
@@ -425,6 +443,8 @@ def _flipped(xp: Any, w: Array, g: ConvGeometry) -> Array:
 
 
 def _conv_backward_data_gpu(dy: Array, w: Array, dx: Array, *, geom: ConvGeometry) -> None:
+    if geom.num == 0:  # an empty batch: dx is empty
+        return
     _gpu_backward_data(get_array_module(dy), cuda.kernel, dy, w, dx, geom)
 
 
@@ -432,6 +452,8 @@ def _conv_backward_data_gpu(dy: Array, w: Array, dx: Array, *, geom: ConvGeometr
 def conv_backward_data(dy: Array, w: Array, dx: Array, *, geom: ConvGeometry) -> None:
     """dx = w^T * dy: the GEMM gives the columns, col2im sums them back."""
     g = geom
+    if g.num == 0:  # an empty batch: dx is empty
+        return
     _dnnl = onednn.get()
     if _dnnl is not None and _dnnl.conv_backward_data(dy, w, dx, g):
         return
@@ -460,6 +482,9 @@ def conv_backward_data(dy: Array, w: Array, dx: Array, *, geom: ConvGeometry) ->
 
 def _conv_backward_weight_gpu(*arrays: Array, geom: ConvGeometry) -> None:
     *pairs, dw = arrays
+    if geom.num == 0:  # a sum over no sample
+        dw.fill(0)
+        return
     _gpu_backward_weight(get_array_module(dw), cuda.kernel, pairs, dw, geom)
 
 
@@ -468,6 +493,9 @@ def conv_backward_weight(*arrays: Array, geom: ConvGeometry) -> None:
     """dw = sum over the (x, dy) pairs of dy * x^T: ``arrays`` is x0, dy0, x1, dy1, ..., dw
     (a layer with several bottoms shares one weight)."""
     *pairs, dw = arrays
+    if geom.num == 0:  # a sum over no sample
+        dw.fill(0)
+        return
     g = geom
     _dnnl = onednn.get()
     if _dnnl is not None and _dnnl.conv_backward_weight(arrays, g):

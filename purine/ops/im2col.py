@@ -4,6 +4,7 @@ CuPy. (The convolution's own column layouts live in conv.py.)"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,17 @@ class Im2colGeometry:
     def padded(self) -> tuple[int, ...]:
         return tuple(n + 2 * p for n, p in zip(self.size, self.pad, strict=True))
 
+    def workspace_bytes(self, itemsize: int) -> int:
+        """The scratch of a forward or backward op, in bytes of ``itemsize``: one padded copy
+        of the input (the backward pass's accumulator); checked when the layer is built."""
+        return self.num * self.channels * math.prod(self.padded) * itemsize
+
+    @property
+    def empty(self) -> bool:
+        """No image (an empty batch, no channel): the ops return at once, without a loop
+        over the kernel offsets, which a kernel of 2^30 rows would make endless."""
+        return self.num * self.channels == 0
+
     def inner(self) -> tuple[slice, ...]:
         """The image inside a padded copy."""
         return (slice(None), slice(None)) + tuple(
@@ -55,6 +67,8 @@ class Im2colGeometry:
 def im2col_forward(x: Array, y: Array, *, geom: Im2colGeometry) -> None:
     """y = the windows of x (zero padded), one output channel per (channel, kernel offset)."""
     g = geom
+    if g.empty:
+        return
     xp = get_array_module(x)
     x_nd = x.reshape((g.num, g.channels) + g.size)
     if any(g.pad):
@@ -68,6 +82,8 @@ def im2col_forward(x: Array, y: Array, *, geom: Im2colGeometry) -> None:
 def im2col_backward(dy: Array, dx: Array, *, geom: Im2colGeometry) -> None:
     """col2im: dx = the sum of dy over every window position that reads each pixel."""
     g = geom
+    if g.empty:
+        return
     xp = get_array_module(dy)
     d = len(g.kernel)
     dy_nd = dy.reshape((g.num, g.channels) + g.kernel + g.out)

@@ -341,21 +341,23 @@ def _pairs(a: Array, b: Array, y: Array) -> tuple[Array, Array, Array]:
     Caffe casts y to int, any y in (-1, 1) marks a dissimilar pair."""
     xp = get_array_module(a)
     num = a.shape[0]
-    d = (a - b.reshape(a.shape)).reshape(num, -1)
+    d = (a - b.reshape(a.shape)).reshape(num, math.prod(a.shape[1:]))  # num may be 0
     return d, (d * d).sum(axis=1), xp.trunc(y.reshape(num)) != 0
 
 
 def contrastive_loss_forward(a: Array, b: Array, y: Array, loss: Array, *, margin: float,
                              legacy_version: bool = False) -> None:
     """``loss = sum_i l_i / num / 2``: ``l = d^2`` for a similar pair, else
-    ``max(margin - d, 0)^2`` (legacy: ``max(margin - d^2, 0)``), d the Euclidean distance."""
+    ``max(margin - d, 0)^2`` (legacy: ``max(margin - d^2, 0)``), d the Euclidean distance.
+    With no pairs (num = 0) the loss is 0 / 0 = NaN, as Caffe's float division gives it."""
     xp = get_array_module(a)
     _, dist_sq, similar = _pairs(a, b, y)
     if legacy_version:
         apart = xp.maximum(margin - dist_sq, 0)
     else:
         apart = xp.maximum(margin - xp.sqrt(dist_sq), 0) ** 2
-    loss[...] = xp.where(similar, dist_sq, apart).sum() / a.shape[0] / 2
+    with np.errstate(invalid="ignore", divide="ignore"):  # num = 0: NaN, no warning
+        loss[...] = xp.where(similar, dist_sq, apart).sum() / a.shape[0] / 2
 
 
 def contrastive_loss_backward(a: Array, b: Array, y: Array, dloss: Array, dx: Array, *,
@@ -366,7 +368,8 @@ def contrastive_loss_backward(a: Array, b: Array, y: Array, dloss: Array, dx: Ar
     ``c = -alpha`` (legacy) or ``-alpha * (margin - d) / (d + 1e-4)``, and 0 outside it."""
     xp = get_array_module(a)
     d, dist_sq, similar = _pairs(a, b, y)
-    alpha = sign * dloss / a.shape[0]
+    with np.errstate(invalid="ignore", divide="ignore"):  # num = 0: no pair reads alpha
+        alpha = sign * dloss / a.shape[0]
     if legacy_version:
         inside = margin - dist_sq
         apart = -alpha * xp.ones_like(dist_sq)

@@ -62,18 +62,46 @@ class PoolGeometry:
     @property
     def empty_rows(self) -> int:
         """Trailing output rows whose window lies wholly outside the image (possible only
-        without padding and with a stride larger than the kernel)."""
-        return sum(1 for ph in range(self.pooled_h) if ph * self.stride_h - self.pad_h
-                   >= self.height)
+        without padding and with a stride larger than the kernel): those whose start
+        ph * stride - pad reaches the height."""
+        return _outside(self.pooled_h, self.height, self.stride_h, self.pad_h)
 
     @property
     def empty_cols(self) -> int:
-        return sum(1 for pw in range(self.pooled_w) if pw * self.stride_w - self.pad_w
-                   >= self.width)
+        return _outside(self.pooled_w, self.width, self.stride_w, self.pad_w)
+
+    def workspace_bytes(self, itemsize: int, ave: bool = False) -> int:
+        """An upper bound on the scratch one of the pooling kernels holds at a time, in bytes
+        of ``itemsize``: MAX and STOCHASTIC a padded copy (every window's rows, which a
+        stride past the image makes long) and a few temporaries per output; AVE (``ave``)
+        its averaging matrices and one product per plane. The layer checks it against
+        memory when it is built, before any of it is allocated."""
+        planes = self.num * self.channels
+        if planes == 0:  # the kernels return at once
+            return 0
+        if ave:
+            matrices = (self.pooled_h * self.height + self.pooled_w * self.width) * (8 + itemsize)
+            products = planes * (self.height * self.pooled_w + self.pooled_h * self.width)
+            return matrices + products * itemsize
+        padded = planes * self.padded_h * self.padded_w * itemsize
+        return padded + planes * self.pooled_h * self.pooled_w * (2 * itemsize + 24)
 
     @property
     def overlapping(self) -> bool:
         return self.kernel_h > self.stride_h or self.kernel_w > self.stride_w
+
+
+def _outside(pooled: int, size: int, stride: int, pad: int) -> int:
+    """How many of ``pooled`` windows along one axis start at or past ``size`` (counted, not
+    looped over: ``pooled`` may be large)."""
+    first = -(-(size + pad) // stride)  # the first p with p * stride - pad >= size
+    return max(0, pooled - first)
+
+
+def _no_planes(g: PoolGeometry) -> bool:
+    """An empty batch (or no channel): nothing to pool, and no loop over the kernel offsets,
+    which a kernel of 2^30 rows would make endless."""
+    return g.num * g.channels == 0
 
 
 def _planes(a: Array, g: PoolGeometry, pooled: bool) -> Array:
@@ -106,6 +134,8 @@ def _window_starts(xp: Any, g: PoolGeometry) -> Array:
 
 
 def _max_pool_forward_gpu(x: Array, y: Array, mask: Array, *, geom: PoolGeometry) -> None:
+    if _no_planes(geom):
+        return
     _gpu_max_pool_forward(cuda.kernel, x, y, mask, geom)
 
 
@@ -113,6 +143,8 @@ def _max_pool_forward_gpu(x: Array, y: Array, mask: Array, *, geom: PoolGeometry
 def max_pool_forward(x: Array, y: Array, mask: Array, *, geom: PoolGeometry) -> None:
     """y = the window maxima; ``mask`` = the plane index h*W + w of each maximum (the first
     in scan order on ties), as Caffe's max_idx_ or its optional second top (float)."""
+    if _no_planes(geom):
+        return
     g = geom
     dnnl = onednn.get()
     if dnnl is not None and dnnl.max_pool_forward(x, y, mask, g):
@@ -159,12 +191,16 @@ def _max_pool_forward(x4: Array, y4: Array, m4: Array, g: PoolGeometry) -> None:
 
 
 def _max_pool_backward_gpu(dy: Array, mask: Array, dx: Array, *, geom: PoolGeometry) -> None:
+    if _no_planes(geom):
+        return
     _gpu_max_pool_backward(cuda.kernel, dy, mask, dx, geom)
 
 
 @device_variant(_max_pool_backward_gpu)
 def max_pool_backward(dy: Array, mask: Array, dx: Array, *, geom: PoolGeometry) -> None:
     """dx = dy scattered to the argmax of each window; overlapping windows add up."""
+    if _no_planes(geom):
+        return
     g = geom
     dy4, m4, dx4 = _planes(dy, g, True), _planes(mask, g, True), _planes(dx, g, False)
     host_parallel(lambda s: _max_pool_backward(dy4[s], m4[s], dx4[s],
@@ -221,12 +257,16 @@ def _zero_extent(g: PoolGeometry) -> tuple[list[int], list[int]]:
 
 
 def _ave_pool_forward_gpu(x: Array, y: Array, *, geom: PoolGeometry) -> None:
+    if _no_planes(geom):
+        return
     _gpu_ave_pool(cuda.kernel, "ave_pool_forward", x, y, geom)
 
 
 @device_variant(_ave_pool_forward_gpu)
 def ave_pool_forward(x: Array, y: Array, *, geom: PoolGeometry) -> None:
     """y = Bh x Bw^T per plane: two GEMMs, no padded copy (the matrices clip the windows)."""
+    if _no_planes(geom):
+        return
     g = geom
     bh, bw = _ave_matrices(np, g, x.dtype)
     planes = g.num * g.channels
@@ -241,12 +281,16 @@ def ave_pool_forward(x: Array, y: Array, *, geom: PoolGeometry) -> None:
 
 
 def _ave_pool_backward_gpu(dy: Array, dx: Array, *, geom: PoolGeometry) -> None:
+    if _no_planes(geom):
+        return
     _gpu_ave_pool(cuda.kernel, "ave_pool_backward", dy, dx, geom)
 
 
 @device_variant(_ave_pool_backward_gpu)
 def ave_pool_backward(dy: Array, dx: Array, *, geom: PoolGeometry) -> None:
     """dx = Bh^T dy Bw per plane: each window's dy / pool size over its image part."""
+    if _no_planes(geom):
+        return
     g = geom
     bh, bw = _ave_matrices(np, g, dy.dtype)
     planes = g.num * g.channels
@@ -280,6 +324,8 @@ def stochastic_pool_forward_train(x: Array, y: Array, index: Array, *, geom: Poo
     (an all-zero window picks its first position). Inputs are meant to be non-negative;
     a window no position reaches (a negative sum) and a window wholly outside the image
     output 0 and pass no gradient, where Caffe leaves the output as it was."""
+    if _no_planes(geom):
+        return
     g = geom
     xp = get_array_module(x)
     xpad = _padded(xp, _planes(x, g, False), g, 0.0)
@@ -318,6 +364,8 @@ def stochastic_pool_forward_train(x: Array, y: Array, index: Array, *, geom: Poo
 
 def _stochastic_pool_backward_gpu(dy: Array, index: Array, dx: Array, *, geom: PoolGeometry
                                   ) -> None:
+    if _no_planes(geom):
+        return
     # MAX's gather kernel: it compares each covering window's index with the pixel's.
     _gpu_max_pool_backward(cuda.kernel, dy, index, dx, geom)
 
@@ -327,6 +375,8 @@ def stochastic_pool_backward(dy: Array, index: Array, dx: Array, *, geom: PoolGe
                              ) -> None:
     """dx = dy routed to each window's pick (``index``, -1: nowhere); overlapping windows
     add up."""
+    if _no_planes(geom):
+        return
     g = geom
     i4, dy4 = _planes(index, g, True), _planes(dy, g, True)
     plane = g.height * g.width
@@ -354,6 +404,8 @@ def _stochastic_sums(xp: Any, xpad: Array, g: PoolGeometry, dtype: Any) -> tuple
 def stochastic_pool_forward_test(x: Array, y: Array, *, geom: PoolGeometry) -> None:
     """Testing: the probability-weighted average of each window, sum(x^2) / (FLT_MIN +
     sum(x)); 0 for an all-zero window."""
+    if _no_planes(geom):
+        return
     g = geom
     xp = get_array_module(x)
     total, squares = _stochastic_sums(xp, _padded(xp, _planes(x, g, False), g, 0.0), g,
@@ -366,6 +418,8 @@ def stochastic_pool_backward_test(x: Array, dy: Array, dx: Array, *, geom: PoolG
     """The gradient of the TEST output: d(S2 / S1)/dx = (2x - y) / S1 per covering window
     (S1 with its FLT_MIN). Caffe's TEST backward reuses whatever sample indices it last
     drew, which defines nothing; this differentiates the forward it computed."""
+    if _no_planes(geom):
+        return
     g = geom
     xp = get_array_module(dy)
     xpad = _padded(xp, _planes(x, g, False), g, 0.0)

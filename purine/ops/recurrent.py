@@ -2,6 +2,10 @@
 over time steps whose every step is vectorized over the batch, and its backward op runs the
 same loop in reverse (backpropagation through time).
 
+T = 0 runs no step: the outputs are empty, the final state is the initial one and the
+gradients are zero. (Caffe's own unrolled net cannot be set up for T = 0: its Slice of the
+input has no tops.)
+
 Shapes: ``pre`` (T, N, G) holds the input projections of all steps (W x_t + b, plus the static
 input's projection), ``cont`` (T, N) the sequence continuation flags, ``h0``/``c0`` (1, N, H)
 the state before the first step. The gate order of an LSTM's 4H axis is i, f, o, g.
@@ -22,6 +26,12 @@ def _sigmoid(xp: Any, x: Array, out: Array) -> None:
     xp.tanh(out, out=out)
     out *= 0.5
     out += 0.5
+
+
+def _steps(hs: Array) -> int:
+    """The time steps to run: none when a step has nothing to compute (N = 0 or H = 0),
+    whatever T (2^31-1 empty steps would take hours and change nothing)."""
+    return hs.shape[0] if hs.size else 0
 
 
 def _conted(cont_t: Array, h: Array) -> Array:
@@ -48,12 +58,12 @@ def rnn_forward(pre: Array, cont: Array, w_hh: Array, h0: Array,
     xp = get_array_module(pre)
     h0_used[...] = h0
     h = h0_used[0]
-    for t in range(pre.shape[0]):
+    for t in range(_steps(hs)):
         a = xp.matmul(_conted(cont[t], h), w_hh.T)
         a += pre[t]
         xp.tanh(a, out=hs[t])
         h = hs[t]
-    h_last[0] = hs[-1]
+    h_last[0] = h  # h_0 itself after no step (T = 0)
 
 
 def rnn_backward(hs: Array, h0: Array, cont: Array, w_hh: Array, dhs: Array,
@@ -61,15 +71,26 @@ def rnn_backward(hs: Array, h0: Array, cont: Array, w_hh: Array, dhs: Array,
     """Through time, last step first: dpre (T, N, H) and dw_hh (H, H) from the gradient
     ``dhs`` at every h_t. No gradient enters at h_T nor leaves at h_0 (Caffe's)."""
     xp = get_array_module(hs)
-    dh = xp.zeros_like(hs[0])
-    dw_hh[...] = 0
-    for t in reversed(range(hs.shape[0])):
+    dh = xp.zeros(hs.shape[1:], dtype=hs.dtype)  # hs[0] is no step when T = 0
+    for t in reversed(range(_steps(hs))):
         dh += dhs[t]
         da = dpre[t]
         xp.multiply(dh, 1 - hs[t] * hs[t], out=da)
-        hc = _conted(cont[t], hs[t - 1] if t else h0[0])
-        dw_hh += xp.matmul(da.T, hc)
         dh = _conted(cont[t], xp.matmul(da, w_hh))
+    _weight_gradient(xp, dpre, _seen_states(xp, cont, h0, hs), dw_hh)
+
+
+def _seen_states(xp: Any, cont: Array, h0: Array, hs: Array) -> Array:
+    """(T, N, H): cont_t h_{t-1}, the state each step reads."""
+    prev = xp.concatenate([h0, hs[:-1]]) if hs.shape[0] else hs
+    return cont[:, :, None] * prev
+
+
+def _weight_gradient(xp: Any, dpre: Array, seen: Array, dw: Array) -> None:
+    """dw = sum_t dpre_t^T seen_t as one GEMM over all steps (a (G, H) product per step
+    would allocate a weight-sized temporary each time)."""
+    g, h = dw.shape
+    xp.matmul(dpre.reshape(-1, g).T, seen.reshape(-1, h), out=dw)
 
 
 # -- one LSTM step (shared by the LSTM recurrence and the LSTMUnit layer) -----------------
@@ -115,14 +136,14 @@ def lstm_forward(pre: Array, cont: Array, w_hc: Array, h0: Array, c0: Array,
     h0_used[...] = h0
     c0_used[...] = c0
     h, c = h0_used[0], c0_used[0]
-    for t in range(pre.shape[0]):
+    for t in range(_steps(hs)):
         a = gates[t]
         xp.matmul(_conted(cont[t], h), w_hc.T, out=a)
         a += pre[t]
         _cell_forward(xp, a, cont[t], c, cs[t], hs[t])
         h, c = hs[t], cs[t]
-    h_last[0] = hs[-1]
-    c_last[0] = cs[-1]
+    h_last[0] = h  # the initial state itself after no step (T = 0)
+    c_last[0] = c
 
 
 def lstm_backward(cont: Array, w_hc: Array, h0: Array, c0: Array, hs: Array, cs: Array,
@@ -130,14 +151,13 @@ def lstm_backward(cont: Array, w_hc: Array, h0: Array, c0: Array, hs: Array, cs:
     """Through time, last step first: dpre (T, N, 4H) and dw_hc (4H, H) from the gradient
     ``dhs`` at every h_t. No gradient enters at h_T/c_T nor leaves at h_0/c_0 (Caffe's)."""
     xp = get_array_module(hs)
-    dh, dc = xp.zeros_like(hs[0]), xp.zeros_like(cs[0])
-    dw_hc[...] = 0
-    for t in reversed(range(hs.shape[0])):
+    dh, dc = xp.zeros(hs.shape[1:], hs.dtype), xp.zeros(cs.shape[1:], cs.dtype)
+    for t in reversed(range(_steps(hs))):
         dh += dhs[t]
-        h_prev, c_prev = (hs[t - 1], cs[t - 1]) if t else (h0[0], c0[0])
+        c_prev = cs[t - 1] if t else c0[0]
         dc = _cell_backward(xp, gates[t], c_prev, cs[t], dh, dc, dpre[t])
-        dw_hc += xp.matmul(dpre[t].T, _conted(cont[t], h_prev))
         dh = _conted(cont[t], xp.matmul(dpre[t], w_hc))
+    _weight_gradient(xp, dpre, _seen_states(xp, cont, h0, hs), dw_hc)
 
 
 # -- LSTMUnit ------------------------------------------------------------------------------

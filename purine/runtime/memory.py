@@ -13,7 +13,12 @@ import numpy as np
 from purine.backend import allocate
 from purine.backend.memory import capacity, show_bytes
 from purine.errors import PurineError
-from purine.graph import Blob, Graph, Location, Op
+from purine.graph import CPU, Blob, Graph, Location, Op
+
+try:
+    import resource
+except ImportError:  # not on POSIX: no address-space limit to read
+    resource = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -47,16 +52,49 @@ def blob_nbytes(blob: Blob) -> int:
     return blob.count * np.dtype(blob.dtype).itemsize
 
 
+def address_space_left() -> int | None:
+    """Bytes this process may still map under its RLIMIT_AS soft limit (``ulimit -v``): the
+    limit less the address space mapped now; None without a limit. Past it an allocation
+    fails with MemoryError however much RAM is free, so it is a capacity too."""
+    if resource is None:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):  # no procfs: the limit alone
+        mapped = 0
+    return max(soft - mapped, 0)
+
+
 def check_capacity(location: Location, need: int, held: int, what: str,
-                   verb: str = "asks") -> None:
+                   verb: str = "asks", *, held_allocated: bool = False) -> None:
     """Raise a PurineError when ``need`` more bytes cannot fit in ``location``'s memory
-    beside the ``held`` bytes already there; ``what`` names the asker (``verb``'s subject)."""
+    beside the ``held`` bytes already there; ``what`` names the asker (``verb``'s subject).
+    Host memory is also bounded by the process's address-space limit (RLIMIT_AS), less what
+    is mapped already: ``held`` counts against it unless ``held_allocated`` (bytes already
+    allocated are mapped, so counted once)."""
     total = capacity(location)
+    device = "this machine" if location.device == "cpu" else f"gpu {location.index}"
+    already = f" beside the {show_bytes(held)} held already" if held else ""
     if total is not None and held + need > total:
-        device = "this machine" if location.device == "cpu" else f"gpu {location.index}"
-        already = f" beside the {show_bytes(held)} held already" if held else ""
         raise PurineError(f"{what} {verb} for {show_bytes(need)}{already}; {device} has "
                           f"{show_bytes(total)} of memory")
+    left = address_space_left() if location.device == "cpu" else None
+    pending = need if held_allocated else held + need
+    if left is not None and pending > left:
+        raise PurineError(f"{what} {verb} for {show_bytes(need)}{already}; this process may "
+                          f"map {show_bytes(left)} more (its address-space limit, RLIMIT_AS)")
+
+
+def require_bytes(nbytes: int, what: str, location: Location = CPU) -> None:
+    """Refuse, before allocating it, a buffer of ``nbytes`` at ``location`` that cannot fit
+    in its memory (RAM or the container's limit, a GPU's memory, the process's
+    address-space limit): a PurineError whose one line says ``what`` asked for how much and
+    what there is."""
+    check_capacity(location, int(nbytes), 0, what)
 
 
 def plan_memory(graph: Graph, ops: Sequence[Op] | None, keep: Iterable[Blob],
@@ -139,7 +177,7 @@ class Store:
         memory space, before making it (numpy's zeros would reserve terabytes of virtual
         memory and leave the failure to the first touch); then count it held."""
         space = location.memory
-        check_capacity(location, need, self.held.get(space, 0), what)
+        check_capacity(location, need, self.held.get(space, 0), what, held_allocated=True)
         self.held[space] = self.held.get(space, 0) + need
 
     def unreserve(self, location: Location, size: int) -> None:

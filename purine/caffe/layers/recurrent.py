@@ -103,6 +103,11 @@ class _Setup:
         self.w_s = (L.add_param((self.G, math.prod(xs.shape[1:])), p.weight_filler)
                     if xs is not None else None)
         self.pre = L.scratch("pre", (T, N, self.G))
+        # A step's temporaries (its gate inputs and gradients (N, G), a few (N, H) arrays)
+        # and the states all steps read, (T, N, H), for the recurrent weight's gradient
+        L.net.require_scratch(L.location, (16 * N * self.G + T * N * H)
+                              * np.dtype(x.dtype).itemsize,
+                              f"scratch for {T} time steps of {N} x {self.G} gate values")
         L.forward(ip.inner_product_forward, [x, self.w_x, self.b], [self.pre], m=T * N,
                   transpose=False)
         if xs is not None:
@@ -253,6 +258,9 @@ def lstm_unit(L: LayerBuild):
         raise L.error(f"bottom x must have 4H = {4 * c_prev.shape[2]} gate inputs "
                       f"(H = {c_prev.shape[2]} from c_prev), got {x.shape[2]}")
     c, h = L.top(0, c_prev.shape), L.top(1, c_prev.shape)
+    # The ops' temporaries: the gates and their gradient (N, 4H) and a few (N, H) arrays
+    L.net.require_scratch(L.location, 16 * x.count * np.dtype(x.dtype).itemsize,
+                          f"scratch for the gates of {x.shape}")
     L.forward(rec.lstm_unit_forward, [c_prev, x, cont], [c, h])
     L.no_force_backward.add(2)
 

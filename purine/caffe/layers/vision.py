@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
+
 from purine.caffe.facts import CHANNELS, SplitRefused, TowerSplit
 from purine.caffe.layer import LayerBuild, register
 from purine.caffe.layers.common import canonical_axis
@@ -98,6 +100,12 @@ def pool_window(lp: pb.LayerParameter) -> tuple[str, str, str]:
 CONVOLUTION_FACTS = {"export": "convolution", "colour": "#FF5050", "label": conv_label,
                      "window": conv_window,
                      "num_output": lambda lp: lp.convolution_param.num_output}
+
+
+def _require_scratch(L: LayerBuild, nbytes: int, what: str) -> None:
+    """Refuse, when the layer is built, an op workspace that cannot fit beside the net's
+    blobs (the kernels allocate it at every run; a stride or pad of 2^31-1 asks exabytes)."""
+    L.net.require_scratch(L.location, nbytes, what)
 
 
 def _no_in_place(L: LayerBuild) -> None:
@@ -217,6 +225,9 @@ def convolution(L: LayerBuild):
                               else (conv.conv_forward, conv.conv_backward_data))
     kind = "Deconv" if deconv else "Conv"
     geom, weight, top_shape = _conv_setup(L, deconv=deconv)
+    _require_scratch(L, conv.workspace_bytes(geom, np.dtype(L.net.dtype).itemsize),
+                     f"im2col scratch for {L.bottom(0).shape} (kernel {geom.kernel_h}x"
+                     f"{geom.kernel_w}, pad {geom.pad_h}x{geom.pad_w})")
     p = L.param.convolution_param
     w = L.add_param(weight, p.weight_filler)
     b = L.add_param((p.num_output,), p.bias_filler) if p.bias_term else None
@@ -282,6 +293,9 @@ def _pool(L: LayerBuild, x: Blob, y: Blob, geom: pooling.PoolGeometry, method: i
     poolings in one layer."""
     P = pb.PoolingParameter
     shape = (geom.num, geom.channels, geom.pooled_h, geom.pooled_w)
+    _require_scratch(L, geom.workspace_bytes(np.dtype(x.dtype).itemsize, method == P.AVE),
+                     f"scratch for pooling {x.shape} (window {geom.kernel_h}x{geom.kernel_w}, "
+                     f"stride {geom.stride_h}x{geom.stride_w})")
     if method == P.MAX:
         # The argmax: Caffe's private max_idx_, or the optional second top (as floats).
         m = mask if mask is not None else L.scratch(f"mask{tag}", shape, "int32")
@@ -443,6 +457,8 @@ def im2col_layer(L: LayerBuild):
         raise L.error(f"kernel extent {extent} exceeds the padded input: bottom "
                       f"'{x.name}' {x.shape} with pad {pad}")
     y = L.top(0, x.shape[:axis] + (x.shape[axis] * math.prod(kernel),) + geom.out)
+    _require_scratch(L, geom.workspace_bytes(np.dtype(x.dtype).itemsize),
+                     f"scratch for a padded copy of {x.shape} (pad {tuple(pad)})")
     L.forward(im2col.im2col_forward, [x], [y], geom=geom)
 
     def backward():
