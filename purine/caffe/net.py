@@ -1050,7 +1050,10 @@ class Net:
         path = os.fspath(path)
         known = set(self.layer_names)
         copied: set[str] = set()
-        for name, datasets in read_weights(path).items():
+        # The net's shapes go to the reader, which checks every dataset against its
+        # parameter before reading a value (a file may declare gigabytes).
+        expect = {name: [v.shape for v in views] for name, views in self.params.items()}
+        for name, datasets in read_weights(path, expect).items():
             if name not in known:
                 get_logger().info("Ignoring source layer %s", name)
                 continue

@@ -249,3 +249,22 @@ def test_bit_flips_give_a_state_or_one_line_naming_the_file(tmp_path):
                 damaged += "damaged or not supported" in str(e)
             assert read_private(path) in (None, '{"seed": 3}')
     assert damaged > 5  # HDF5's own errors were reached, not only our checks
+
+
+def test_net_copy_from_refuses_a_huge_dataset_from_its_shape(tmp_path):
+    from purine.caffe import TEST, Net
+
+    net = """layer { name: "data" type: "Input" top: "data"
+      input_param { shape { dim: 2 dim: 12 } } }
+    layer { name: "ip" type: "InnerProduct" bottom: "data" top: "ip"
+      inner_product_param { num_output: 4 } }"""
+    path = str(tmp_path / "w.caffemodel.h5")
+    compressed_zeros(path, "data/ip/0", 2**28)
+    compressed_zeros(path, "data/gone/0", 2**28)  # a layer the net lacks: never read
+    with Net(net, phase=TEST) as n:
+        with pytest.raises(PurineError, match=exactly(
+                f"{path}: layer 'ip' parameter 0 has shape (268435456,) in the file, the net "
+                "expects (4, 12)")):
+            with peak_growth() as grew:
+                n.copy_from(path)
+        assert grew() < 4 << 20
