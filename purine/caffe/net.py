@@ -32,7 +32,7 @@ from purine.graph import CPU, Blob, Graph, Location, Op, Stateful, kernel
 from purine.log import get_logger
 from purine.ops import tensor
 from purine.runtime import Dispatcher
-from purine.runtime.memory import Store, blob_nbytes, check_capacity
+from purine.runtime.memory import Store, blob_nbytes, check_capacity, require_bytes
 
 TRAIN, TEST = pb.TRAIN, pb.TEST
 _PHASES = {"TRAIN": TRAIN, "TEST": TEST, TRAIN: TRAIN, TEST: TEST}
@@ -950,6 +950,10 @@ class Net:
         the others follow from the layers that write them."""
         if any(d < 0 for d in shape):
             raise PurineError(f"blob '{name}': negative dimension in reshape{shape}")
+        self._check_reshape_bytes(name, shape)
+        if max(shape, default=0) > 2 ** 31 - 1:  # an empty blob may still name one
+            raise PurineError(f"blob '{name}': reshape{shape} has an axis past 2^31-1, "
+                              "Caffe's largest")
         now = self._blob(name).shape
         if name not in self.inputs:
             if shape == now:
@@ -964,6 +968,13 @@ class Net:
             self._staged.pop(name, None)
         elif name not in self._staged or self._staged[name].shape != shape:
             self._staged[name] = np.zeros(shape, self._blob(name).dtype)
+
+    def _check_reshape_bytes(self, name: str, shape: tuple[int, ...]) -> None:
+        """The new shape's bytes must fit before its zero array is made (numpy's zeros
+        would reserve the address space and fail at the first touch)."""
+        dtype = np.dtype(self._blob(name).dtype)
+        require_bytes(math.prod(shape) * dtype.itemsize,
+                      f"blob '{name}' reshape{shape} ({dtype.name})")
 
     def reshape_if_needed(self) -> bool:
         """Settle the input blobs' shapes given since the last pass (Caffe reshapes every

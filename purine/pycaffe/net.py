@@ -6,7 +6,6 @@ as a PurineError that is also the builtin type pycaffe's own code raises there."
 
 from __future__ import annotations
 
-import math
 import operator
 import os
 from collections import OrderedDict
@@ -24,7 +23,6 @@ from purine.errors import PurineError
 from purine.formats import caffe_pb2 as pb
 from purine.pycaffe import mode
 from purine.pycaffe.mode import settings
-from purine.runtime.memory import check_capacity
 
 
 # -- misuse: each a PurineError and the builtin type pycaffe (or numpy under it) raises ---------
@@ -169,24 +167,18 @@ class Net(caffe_net.Net):
         values = {n: self._value("backward", n, v, None) for n, v in kwargs.items()}
         return super().backward(diffs, start, end, **values)
 
+    def _check_reshape_bytes(self, name: str, shape: tuple[int, ...]) -> None:
+        try:
+            super()._check_reshape_bytes(name, shape)
+        except PurineError as e:
+            raise BlobSizeError(str(e)) from None
+
     def _reshape_input(self, name: str, shape: tuple[int, ...]) -> None:
-        """The new shape's bytes must fit in the host's memory before its zero array is
-        made (numpy's zeros would reserve the address space and fail at first touch)."""
-        if all(d >= 0 for d in shape):
-            dtype = np.dtype(self._blob(name).dtype)
-            need = math.prod(shape) * dtype.itemsize
-            try:
-                check_capacity(caffe_net.CPU, need, 0, f"blob '{name}' reshape{shape} "
-                               f"({dtype.name})")
-            except PurineError as e:
-                raise BlobSizeError(str(e)) from None
-            if max(shape, default=0) > 2 ** 31 - 1:  # an empty blob may still name one
-                raise NetArgumentError(f"blob '{name}': reshape{shape} has an axis past "
-                                       "2^31-1, Caffe's largest")
+        """As the core net's, its errors in the builtin types pycaffe users catch."""
         try:
             super()._reshape_input(name, shape)
         except PurineError as e:
-            if isinstance(e, ValueError):
+            if isinstance(e, ValueError | MemoryError):
                 raise
             raise NetArgumentError(str(e)) from None
 

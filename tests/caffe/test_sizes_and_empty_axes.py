@@ -367,3 +367,19 @@ def test_conv_pool_ip_over_an_empty_batch():
     for name in ("conv", "ip"):  # a sum over no sample
         for p in net.params[name]:
             np.testing.assert_array_equal(p.diff, 0.0)
+
+
+def test_the_core_nets_input_reshape_is_sized_against_memory_first():
+    """purine.caffe.Net (not only pycaffe's) refuses an input shape that cannot fit, and an
+    axis past Caffe's int, before making the blob's zero array."""
+    net = ('layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 1 dim: 3 } } }'
+           'layer { name: "r" type: "ReLU" bottom: "x" top: "y" }')
+    with Net(net, phase=TEST) as n:
+        with pytest.raises(PurineError, match=r"^blob 'x' reshape\(2147483647, 3, 227, 227\) "
+                                              r"\(float32\) asks for [\d.]+ PiB; "):
+            n.blobs["x"].reshape(2 ** 31 - 1, 3, 227, 227)
+        with pytest.raises(PurineError, match=r"axis past 2\^31-1"):
+            n.blobs["x"].reshape(0, 2 ** 31)
+        n.blobs["x"].reshape(2, 3)  # still usable afterwards
+        n.blobs["x"].data[...] = [[-1, 2, -3], [4, -5, 6]]
+        assert n.forward()["y"].tolist() == [[0, 2, 0], [4, 0, 6]]
