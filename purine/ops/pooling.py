@@ -335,8 +335,8 @@ def stochastic_pool_forward_train(x: Array, y: Array, index: Array, *, geom: Poo
     for i, j in offsets:  # summed in scan order, as Caffe's loop rounds
         total += _window(xpad, g, i, j)
     # The whole batch draws at once from the layer's host stream, so the picks do not
-    # depend on the device or on how the batch is split.
-    u = xp.asarray((1.0 - rng.next().random(y4.shape)).astype(x.dtype))
+    # depend on the device; a tower or replica draws its part of the whole layer's draw.
+    u = xp.asarray((1.0 - rng.uniform(y4.shape)).astype(x.dtype))
     threshold = (u * total).astype(np.float32).astype(x.dtype)
     none = len(offsets)
     code = xp.full(y4.shape, none, dtype=np.int32)  # the kernel offset picked

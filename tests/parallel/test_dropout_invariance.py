@@ -118,6 +118,32 @@ def test_a_split_dropout_drops_what_the_unsplit_one_drops(where):
                                    plain.params["ip"][0].diff, rtol=1e-12, atol=1e-14)
 
 
+POOL_NET = """
+name: "stochastic"
+layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 4 dim: 6 dim: 6 } } }
+layer { name: "pool" type: "Pooling" bottom: "x" top: "y"
+  pooling_param { pool: STOCHASTIC kernel_size: 3 stride: 2 } }
+"""
+
+
+def test_split_stochastic_pooling_picks_what_the_unsplit_one_picks():
+    """Pooling's STOCHASTIC method draws one uniform per output through the same parts:
+    two towers over the channels pick the unsplit layer's positions."""
+    from google.protobuf import text_format
+
+    param = text_format.Parse(POOL_NET, pb.NetParameter())
+    split = split_towers(param, {"pool": [Location("cpu", 0), Location("cpu", 1)]},
+                         phase=pb.TRAIN)
+    plain = Net(param, phase=pb.TRAIN, dtype="float64", seed=4)
+    placed = Net(split.net, phase=pb.TRAIN, dtype="float64", seed=4, placement=split.placement)
+    split.key_streams(placed.builder.stateful)
+    x = np.random.default_rng(3).uniform(0.1, 1.0, (2, 4, 6, 6))  # positive: every window
+    for _ in range(2):
+        plain.forward(x=x)
+        placed.forward(x=x)
+        np.testing.assert_array_equal(split.blob(placed, "y"), plain.blobs["y"].data)
+
+
 # -- the shipped AlexNet, Dropout included --------------------------------------------------
 @pytest.fixture(scope="module")
 def image_db(tmp_path_factory):
