@@ -489,10 +489,12 @@ def main(argv: list[str] | None = None) -> int:
         return run.main(argv[1:])
     args = build_parser().parse_args(argv)
     # A user's Python layer module that says `import caffe` gets the whole pycaffe face, as
-    # under Caffe's own tool: registered here, imported only when a net has a Python layer.
-    from purine.caffe.layers.python import provide_caffe
+    # under Caffe's own tool: registered here, imported only when a net has a Python layer
+    # (pycaffe, once imported, has registered itself).
+    if "purine.pycaffe" not in sys.modules:
+        from purine.caffe.layers.python import provide_caffe
 
-    provide_caffe(_pycaffe_face)
+        provide_caffe(_pycaffe_face)
     return run_reporting(f"purine-caffe {args.command}", lambda: args.run(args))
 
 
