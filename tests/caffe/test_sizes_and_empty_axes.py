@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +29,14 @@ FILLERS = 'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "cons
 
 
 @pytest.fixture(autouse=True)
-def quiet() -> None:
-    get_logger().setLevel(logging.WARNING)
+def quiet() -> Iterator[None]:
+    """Build logs off for these tests, and the level given back after each (setLevel, so
+    the logger's cached decisions are dropped too)."""
+    log = get_logger()
+    level = log.level
+    log.setLevel(logging.WARNING)
+    yield
+    log.setLevel(level)
 
 
 def net_of(layer: str, bottoms: dict, phase: int = TRAIN, dtype: str = "float64") -> Net:
