@@ -93,6 +93,8 @@ class NetServices(Protocol):
 
     def param_grad(self, b: Blob) -> Blob: ...
 
+    def require_scratch(self, location: Location, nbytes: int, what: str) -> None: ...
+
 
 BUILDERS: dict[str, Builder] = {}
 

@@ -26,7 +26,8 @@ CORNER, CENTER_SIZE, CORNER_SIZE = 1, 2, 3
 # (across_spatial, shape (N, 1)) or one per spatial position (shape (N, S)).
 
 def _ncs(a: Array, channels: int) -> Array:
-    return a.reshape(a.shape[0], channels, math.prod(a.shape[1:]) // max(channels, 1))
+    # S from the axes past C, not from the count: with N = 0 or C = 0 the count says nothing
+    return a.reshape(a.shape[0], channels, math.prod(a.shape[2:]))
 
 
 def _scale_view(scale: Array) -> Array:
@@ -39,6 +40,9 @@ def normalize_forward(x: Array, scale: Array, y: Array, norm: Array, *, channels
     """y = scale * x / sqrt(sum(x^2) + eps), the sum over (C, S) per sample when
     ``across_spatial``, else over C per position; ``y`` may be ``x``."""
     xp = get_array_module(x)
+    if x.size == 0:  # a sum of nothing (einsum would still walk the empty axes' partners)
+        norm[...] = math.sqrt(eps)
+        return
     x3 = _ncs(x, channels)
     sq = xp.einsum("ncs,ncs->ns", x3, x3)
     if across_spatial:
@@ -54,6 +58,8 @@ def normalize_backward_data(x: Array, scale: Array, norm: Array, dy: Array, dx: 
     """With xhat = x / norm and g = scale * dy: dx = (g - xhat * sum(xhat * g)) / norm, the
     sum over the norm's group. The exact gradient: the fork leaves the scale out of the sum
     (exact only for a channel-shared scale). ``dx`` may be ``dy``."""
+    if dx.size == 0:
+        return
     xp = get_array_module(x)
     n = norm[:, None, :]
     xhat = _ncs(x, channels) / n
@@ -61,7 +67,8 @@ def normalize_backward_data(x: Array, scale: Array, norm: Array, dy: Array, dx: 
     dot = xp.einsum("ncs,ncs->ns", xhat, g)
     if across_spatial:
         dot = dot.sum(axis=1, keepdims=True)
-    g -= xhat * dot[:, None, :]
+    xhat *= dot[:, None, :]  # in place: two bottoms' worth of temporaries, not three
+    g -= xhat
     g /= n
     _ncs(dx, channels)[...] = g
 
@@ -69,10 +76,15 @@ def normalize_backward_data(x: Array, scale: Array, norm: Array, dy: Array, dx: 
 def normalize_backward_scale(x: Array, norm: Array, dy: Array, dscale: Array, *,
                              channels: int) -> None:
     """dscale = sum of xhat * dy, over everything (a channel-shared scale) or per channel."""
+    if x.size == 0:  # an empty batch (or map, or no channel): a sum over no sample
+        dscale[...] = 0
+        return
     xp = get_array_module(x)
-    per_channel = xp.einsum("ncs,ncs->c", _ncs(x, channels) / norm[:, None, :],
-                            _ncs(dy, channels))
-    dscale[...] = (per_channel.sum() if dscale.size == 1 else per_channel).reshape(dscale.shape)
+    # A channel-shared scale sums straight to one value: no per-channel vector of C values
+    # (2^31-1 channels over an empty batch would ask 8 GiB for a sum of nothing).
+    spec = "ncs,ncs->" if dscale.size == 1 else "ncs,ncs->c"
+    total = xp.einsum(spec, _ncs(x, channels) / norm[:, None, :], _ncs(dy, channels))
+    dscale[...] = total.reshape(dscale.shape)
 
 
 # -- Permute ----------------------------------------------------------------------------------
@@ -131,6 +143,8 @@ def prior_boxes(layer_h: int, layer_w: int, img_h: int, img_w: int,
     ymax) divided by the image size, clipped to [0, 1] when ``clip``), row 1 the variance
     (one value for all four coordinates, or four). A zero step is the image size over the
     layer size. Centres are ((w + offset) * step_w, (h + offset) * step_h)."""
+    if layer_h * layer_w * len(sizes) == 0:  # a map of no cell has no prior, as in the fork
+        return np.zeros((2, 0))
     if step_h == 0 or step_w == 0:
         step_w, step_h = img_w / layer_w, img_h / layer_h
     # The fork computes centres in single precision.
@@ -153,8 +167,11 @@ def prior_box_forward(y: Array, *, layer_h: int, layer_w: int, img_h: int, img_w
                       sizes: Sequence[tuple[float, float]], step_h: float, step_w: float,
                       offset: float, clip: bool, variance: Sequence[float]) -> None:
     """Write ``prior_boxes`` into the top (1, 2, H * W * P * 4); it reads no bottom."""
-    assign(y, _prior_boxes_once(layer_h, layer_w, img_h, img_w, tuple(map(tuple, sizes)),
-                                step_h, step_w, offset, clip, tuple(variance)).reshape(y.shape))
+    # kept once per shape when small; a large set (checked as the layer's scratch) is made
+    # at each pass, so none outlives its net
+    make = _prior_boxes_once if y.size <= 1 << 20 else _prior_boxes_once.__wrapped__
+    assign(y, make(layer_h, layer_w, img_h, img_w, tuple(map(tuple, sizes)), step_h, step_w,
+                   offset, clip, tuple(variance)).reshape(y.shape))
 
 
 @functools.lru_cache(maxsize=64)  # the boxes follow from the shapes: once per shape, not pass

@@ -17,6 +17,8 @@ def shuffle_channel(x: Array, y: Array, *, group: int) -> None:
     """y[:, j·group + i] = x[:, i·(C/group) + j]: the channels, read as a (group, C/group)
     grid, transposed. Its inverse is the same shuffle with C/group groups, which is the
     backward pass."""
+    if x.size == 0:  # an empty axis (C = 0 too, whose backward has 0 groups): nothing moves
+        return
     n, c = x.shape[:2]
     size = math.prod(x.shape[2:])  # explicit: an empty batch has no -1 to infer
     grid = x.reshape(n, group, c // group, size)

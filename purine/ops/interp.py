@@ -17,8 +17,25 @@ Array = Any
 
 
 # -- Interp ---------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=64)
+CACHED_MATRIX = 1 << 22
+"""Matrices of up to this many values are kept for the next net of the same sizes; larger
+ones (checked as the layer's scratch) are made at each run, so none outlives its net."""
+
+
 def interp_matrix(size_in: int, size_out: int, dtype: Any = np.float64) -> np.ndarray:
+    """(size_out, size_in): row o holds the two bilinear weights of output o along one axis
+    (see ``_interp_matrix``); read-only, cached when small."""
+    if size_in * size_out <= CACHED_MATRIX:
+        return _cached_matrix(size_in, size_out, np.dtype(dtype))
+    return _interp_matrix(size_in, size_out, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_matrix(size_in: int, size_out: int, dtype: Any) -> np.ndarray:
+    return _interp_matrix(size_in, size_out, dtype)
+
+
+def _interp_matrix(size_in: int, size_out: int, dtype: Any) -> np.ndarray:
     """(size_out, size_in): row o holds the two bilinear weights of output o along one axis.
 
     The corners align (output 0 is input 0, output size_out - 1 is input size_in - 1). The
@@ -34,7 +51,7 @@ def interp_matrix(size_in: int, size_out: int, dtype: Any = np.float64) -> np.nd
     rows = np.arange(size_out)
     np.add.at(m, (rows, low), np.asarray(1, dtype=dtype) - lam1)
     np.add.at(m, (rows, low + up), lam1)
-    m.flags.writeable = False  # cached: every net with these sizes shares it
+    m.flags.writeable = False  # cached: every net with these sizes shares it (when small)
     return m
 
 
@@ -48,6 +65,8 @@ def _interp_matrices(xp: Any, x_plane: tuple[int, int], y_plane: tuple[int, int]
 def interp_forward(x: Array, y: Array, *, crop: tuple[int, int, int, int]) -> None:
     """y = Ah · x[crop] · Awᵀ per (num, channel) plane, ``crop`` = (top, left, height,
     width) of the part of x that is resized (pad_beg / pad_end <= 0 cut the rest off)."""
+    if y.size == 0:  # an empty batch: no matrix is built (their sizes may be huge)
+        return
     xp = get_array_module(x)
     t, left, h, w = crop
     ah, aw = _interp_matrices(xp, (h, w), y.shape[2:], y.dtype)
@@ -59,8 +78,10 @@ def interp_backward(dy: Array, dx: Array, *, crop: tuple[int, int, int, int]) ->
     """dx[crop] = Ahᵀ · dy · Aw (the adjoint of the forward), zero outside the crop."""
     xp = get_array_module(dy)
     t, left, h, w = crop
-    ah, aw = _interp_matrices(xp, (h, w), dy.shape[2:], dy.dtype)
     dx.fill(0)
+    if dy.size == 0:
+        return
+    ah, aw = _interp_matrices(xp, (h, w), dy.shape[2:], dy.dtype)
     dx[:, :, t:t + h, left:left + w] = xp.matmul(xp.matmul(ah.T, dy), aw)
 
 
@@ -70,6 +91,8 @@ def _mask_index(x: Array, mask: Array, plane: int) -> Array:
     xp = get_array_module(x)
     n, c = x.shape[:2]
     idx = mask.reshape(n * c, math.prod(mask.shape[2:])).astype(xp.int64)
+    if idx.size == 0:  # an empty batch or map: no index to check
+        return idx
     lo, hi = int(idx.min()), int(idx.max())  # one read back: a bad mask stops here
     if lo < 0 or hi >= plane:
         bad = lo if lo < 0 else hi
@@ -110,11 +133,15 @@ def upsample_backward(dy: Array, mask: Array, dx: Array) -> None:
 def upsample_nearest_forward(x: Array, y: Array, *, scale: int) -> None:
     """The YOLOv3 ports' one-bottom Upsample: each value repeated into a scale × scale
     block, y[n, c, h, w] = x[n, c, h // scale, w // scale]."""
+    if y.size == 0:  # an empty top's (n, c, h, scale, w, scale) view may pass 2^63 bytes
+        return
     n, c, h, w = x.shape
     y.reshape(n, c, h, scale, w, scale)[...] = x[:, :, :, None, :, None]
 
 
 def upsample_nearest_backward(dy: Array, dx: Array, *, scale: int) -> None:
     """dx = the sum of dy over each value's block."""
+    if dx.size == 0:
+        return
     n, c, h, w = dx.shape
     dx[...] = dy.reshape(n, c, h, scale, w, scale).sum(axis=(3, 5))

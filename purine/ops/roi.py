@@ -75,6 +75,9 @@ def roi_pool_forward(x: Array, rois: Array, y: Array, argmax: Array, *, pooled_h
     the pooled area times the channels."""
     xp = get_array_module(x)
     n, c, h, w = x.shape
+    if y.size == 0:  # no ROI or no channel: no bin to size (pooled sizes may be huge)
+        _batch_index(xp, rois.reshape(-1, 5), n, layer)
+        return
     b, hs, he, ws, we = _roi_geometry(x, rois, pooled_h, pooled_w, spatial_scale, layer)
     bins = b.shape[0] * pooled_h * pooled_w
     # Caffe starts every bin at -FLT_MAX and takes strictly larger values.
@@ -96,7 +99,7 @@ def roi_pool_forward(x: Array, rois: Array, y: Array, argmax: Array, *, pooled_h
                 take = v > cur
                 best[at] = xp.where(take, v, cur)
                 arg[at] = xp.where(take, pos[:, None].astype(xp.int32), arg[at])
-    shape = (-1, pooled_h, pooled_w, c)
+    shape = (b.shape[0], pooled_h, pooled_w, c)
     empty = ((he <= hs)[:, :, None] | (we <= ws)[:, None, :])[:, None]
     y[...] = xp.where(empty, 0, best.reshape(shape).transpose(0, 3, 1, 2))
     argmax[...] = arg.reshape(shape).transpose(0, 3, 1, 2)
@@ -110,6 +113,8 @@ def roi_pool_backward(rois: Array, argmax: Array, dy: Array, dx: Array, *,
     n, c, h, w = dx.shape
     dx[...] = 0
     b = _batch_index(xp, rois.reshape(-1, 5), n, layer)
+    if dy.size == 0:  # no ROI or no channel: nothing to scatter (C may be 2^31-1)
+        return
     hit = argmax >= 0
     plane = (b[:, None] * c + xp.arange(c)[None, :])[:, :, None, None] * (h * w)
     scatter_add(dx.reshape(-1), (plane + argmax)[hit], dy[hit])
@@ -161,6 +166,11 @@ def psroi_pool_forward(x: Array, rois: Array, y: Array, *, output_dim: int, grou
     table, four reads per output whatever the bin size."""
     xp = get_array_module(x)
     n, c, h, w = x.shape
+    if y.size == 0 or x.size == 0:
+        # No output, or a map of no cell (every bin empty: 0): the tables are not built.
+        _batch_index(xp, rois.reshape(-1, 5), n, layer)
+        y[...] = 0
+        return
     plane, hs, he, ws, we = _psroi_geometry(x.shape, rois, output_dim, group_size,
                                             spatial_scale, layer)
     table = xp.zeros((n * c, h + 1, w + 1), dtype=xp.float64)
@@ -183,6 +193,10 @@ def psroi_pool_backward(rois: Array, dy: Array, dx: Array, *, output_dim: int,
     table whose 2-d prefix sum is dx."""
     xp = get_array_module(dy)
     n, c, h, w = dx.shape
+    if dy.size == 0 or dx.size == 0:
+        _batch_index(xp, rois.reshape(-1, 5), n, layer)
+        dx[...] = 0
+        return
     plane, hs, he, ws, we = _psroi_geometry(dx.shape, rois, output_dim, group_size,
                                             spatial_scale, layer)
     area = (he - hs) * (we - ws)

@@ -5,6 +5,8 @@ nearest-neighbour Upsample) and SENet's Axpy."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from purine.caffe.layer import LayerBuild, register
 from purine.caffe.layers import vision
 from purine.caffe.layers.common import canonical_axis
@@ -56,6 +58,16 @@ def _interp_size(L: LayerBuild, h: int, w: int) -> tuple[int, int]:
                   "(or a second bottom whose height and width the top takes)")
 
 
+def _interp_scratch(planes: int, size_in: tuple[int, int], size_out: tuple[int, int],
+                    item: int) -> int:
+    """Bytes interp's kernels hold beside the blobs: the two (out, in) matrices with their
+    float32/int64 row data, and per plane the half-done product (out_h, in_w) or
+    (in_h, out_w) and the finished one before it is copied into place."""
+    (hi, wi), (ho, wo) = size_in, size_out
+    matrices = (ho * hi + wo * wi) * item + 40 * (ho + wo)
+    return matrices + planes * (max(ho * wi, hi * wo) + max(ho * wo, hi * wi)) * item
+
+
 @register("Interp", fork="DeepLab / PSPNet", export="interp")
 def interp_layer(L: LayerBuild):
     L.expect((1, 2), 1)
@@ -76,6 +88,11 @@ def interp_layer(L: LayerBuild):
         raise L.error(f"output size {tuple(out)} is not positive ({L.shapes()})")
     crop = (-p.pad_beg, -p.pad_beg, h_eff, w_eff)
     y = L.top(0, (n, c) + tuple(out))
+    if n * c:  # an empty batch builds no matrix
+        L.net.require_scratch(L.location, _interp_scratch(n * c, (h_eff, w_eff), tuple(out),
+                                                          np.dtype(y.dtype).itemsize),
+                              f"Interp's {h_eff}x{w_eff} -> {out[0]}x{out[1]} matrices "
+                              f"and products")
     L.forward(interp.interp_forward, [x], [y], crop=crop)
     L.no_force_backward.add(1)
 
@@ -216,6 +233,9 @@ def upsample_layer(L: LayerBuild):
                       f"'{x.name}' {x.shape} (the two tops of one MAX Pooling)")
     n, c, h, w = x.shape
     y = L.top(0, (n, c) + _upsample_size(L, h, w))
+    # the mask's int64 flat indices, their plane offsets and the values read back
+    L.net.require_scratch(L.location, x.count * (24 + np.dtype(x.dtype).itemsize),
+                          f"Upsample's indices into the top for bottom '{x.name}' {x.shape}")
     L.forward(interp.upsample_forward, [x, mask], [y])
     L.no_force_backward.add(1)
 

@@ -4,6 +4,8 @@ runs it (py-faster-rcnn's Python layer made native; inference only)."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from purine.caffe.facts import DEPLOY
 from purine.caffe.layer import LayerBuild, register
 from purine.caffe.layers.loss import _loss_layer
@@ -43,6 +45,15 @@ def roi_pooling(L: LayerBuild):
     k = dict(pooled_h=p.pooled_h, pooled_w=p.pooled_w, spatial_scale=p.spatial_scale,
              layer=L.param.name)  # an ROI's bad batch index names the layer
     y = L.top(0, (rois.shape[0], x.shape[1], p.pooled_h, p.pooled_w))
+    if y.count:  # an empty top sizes no bin
+        r, c, item = rois.shape[0], x.shape[1], np.dtype(y.dtype).itemsize
+        # per ROI its bins' bounds (int64, with float edges); per bin its running maximum,
+        # argmax and the values compared, channel vectors of the bottom's dtype
+        bins = r * p.pooled_h * p.pooled_w
+        L.net.require_scratch(L.location, 48 * r * (p.pooled_h + p.pooled_w + 2)
+                              + bins * (32 + c * (7 * item + 8)),
+                              f"ROIPooling's bins ({r} ROIs of {p.pooled_h}x{p.pooled_w}, "
+                              f"{c} channels)")
     argmax = L.scratch("argmax", y.shape, "int32")  # Caffe's max_idx_
     L.forward(roi.roi_pool_forward, [x, rois], [y, argmax], **k)
     L.no_force_backward.add(1)
@@ -73,6 +84,13 @@ def psroi_pooling(L: LayerBuild):
     k = dict(output_dim=dim, group_size=group, spatial_scale=p.spatial_scale,
              layer=L.param.name)
     y = L.top(0, (rois.shape[0], dim, group, group))
+    if y.count and x.count:  # else no table is built
+        n, c, h, w = x.shape
+        # the float64 summed-area (difference) table and its two prefix sums, and per
+        # output value its int64 plane, corner indices and float64 sums
+        L.net.require_scratch(L.location, 24 * n * c * (h + 1) * (w + 1) + 64 * y.count,
+                              f"PSROIPooling's summed-area table of bottom '{x.name}' "
+                              f"{x.shape} and its {y.count} bins")
     L.forward(roi.psroi_pool_forward, [x, rois], [y], **k)
     L.no_force_backward.add(1)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from purine.backend import to_host
 from purine.caffe.layer import LayerBuild, Settler, register
 from purine.formats import caffe_pb2 as pb
@@ -36,6 +38,11 @@ def normalize(L: LayerBuild):
     x_saved = L.saved(0)  # a copy only when in place: backward reads the bottom
     y = L.top(0, x.shape)
     spatial = math.prod(x.shape[2:])
+    # The kernels' temporaries: x / norm and the scaled gradient (two bottoms' worth) and
+    # a per-channel scale's gradient of C values.
+    item = np.dtype(L.net.dtype).itemsize
+    L.net.require_scratch(L.location, (2 * x.count + (0 if p.channel_shared else channels))
+                          * item, f"Normalize's temporaries for bottom '{x.name}' {x.shape}")
     norm = L.scratch("norm", (x.shape[0], 1 if p.across_spatial else spatial))
     dims = dict(channels=channels, across_spatial=p.across_spatial)
     L.forward(det.normalize_forward, [x, s], [y, norm], eps=p.eps, **dims)
@@ -136,7 +143,17 @@ def prior_box(L: LayerBuild):
                       "the SSD fork's; give min_size (max_size, aspect_ratio) and offset")
     sizes = det.prior_sizes(list(p.min_size), list(p.max_size), list(p.aspect_ratio), p.flip)
     layer_h, layer_w = _legacy(feat, 2), _legacy(feat, 3)
+    if layer_h * layer_w and not (img_h > 0 and img_w > 0):
+        # as img_size must be positive: every prior is divided by the image's size (a map
+        # of no cell has no prior, and runs)
+        img = L.bottom(1)
+        raise L.error(f"image bottom '{img.name}' {img.shape} has no pixels; the priors of "
+                      f"the {layer_h} x {layer_w} map are divided by its height and width")
     y = L.top(0, (1, 2, layer_h * layer_w * len(sizes) * 4))
+    # The boxes are made in float64 (kept once per shape), with about three such arrays of
+    # temporaries beside them.
+    L.net.require_scratch(L.location, 4 * 8 * y.count, f"PriorBox's boxes for a "
+                          f"{layer_h} x {layer_w} map ({len(sizes)} priors per cell)")
     # The boxes follow from shapes and parameters alone: the op reads no bottom.
     L.forward(det.prior_box_forward, [], [y], layer_h=layer_h, layer_w=layer_w, img_h=img_h,
               img_w=img_w, sizes=tuple(sizes), step_h=step_h, step_w=step_w,
