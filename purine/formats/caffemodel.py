@@ -32,7 +32,7 @@ MAX_BLOB_COUNT = 2**40
 
 def shape_problem(shape: Sequence[int], count: int | None = None) -> str | None:
     """Why ``shape`` cannot be a blob's (holding ``count`` values, when given), or None:
-    at most MAX_BLOB_AXES axes, every dim 0 or more, and their product (Python integers,
+    at most MAX_BLOB_AXES axes, every dim from 0 to 2^31-1, and their product (Python integers,
     which never wrap) at most MAX_BLOB_COUNT and equal to ``count``."""
     if len(shape) > MAX_BLOB_AXES:
         return f"has {len(shape)} axes; a blob has at most {MAX_BLOB_AXES}"
@@ -40,6 +40,8 @@ def shape_problem(shape: Sequence[int], count: int | None = None) -> str | None:
     for i, d in enumerate(shape):
         if d < 0:
             return f"of shape {shape} has dimension {i} = {d}; dimensions are 0 or more"
+        if d > 2**31 - 1:  # Caffe's blob dims are C ints, an empty blob's too
+            return f"of shape {shape} has dimension {i} = {d}; at most 2147483647"
     n = math.prod(shape)
     if n > MAX_BLOB_COUNT:
         return f"of shape {shape} has {n} values, more than the {MAX_BLOB_COUNT} a blob may hold"

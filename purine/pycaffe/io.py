@@ -398,10 +398,7 @@ class Transformer:
 
     def deprocess(self, in_: str, data: np.ndarray) -> np.ndarray:
         self._check_input(in_)
-        decaf_in = np.array(data)
-        if decaf_in.dtype.kind not in "biuf":
-            raise IOArgumentError(f"deprocess {in_!r}: expected numbers, got dtype "
-                                  f"{decaf_in.dtype}")
+        decaf_in = np.array(_numbers(f"deprocess {in_!r}", data))
         decaf_in = decaf_in.astype(np.float64 if decaf_in.dtype == np.float64 else np.float32)
         # pycaffe squeezes every unit axis, which breaks one-channel or one-row inputs; only
         # the batch axis of a (1, K, H, W) blob is dropped here.

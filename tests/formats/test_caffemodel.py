@@ -85,3 +85,14 @@ def test_written_files_follow_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "m.caffemodel").st_mode) == 0o644
+
+
+def test_an_empty_blob_with_a_dimension_past_caffes_int_is_refused():
+    """Found by the long fuzz profile: (0, 2^62) holds 0 values, as its data says, but numpy
+    cannot shape even an empty array so; Caffe's dims are C ints."""
+    blob = pb.BlobProto()
+    blob.shape.dim.extend([0, 2**62])
+    with pytest.raises(PurineError, match=r"^BlobProto of shape \(0, 4611686018427387904\) has "
+                                          r"dimension 1 = 4611686018427387904; at most "
+                                          r"2147483647$"):
+        blob_to_array(blob)

@@ -138,3 +138,14 @@ def test_blobproto_conversions_refuse_non_numbers():
             lambda: io.blobproto_to_array(None))
     refused(TypeError, "label 'x' is not an integer",
             lambda: io.array_to_datum(np.zeros((1, 1, 1)), "x"))
+
+
+def test_deprocess_of_ragged_or_non_numeric_data_is_one_line():
+    """Found by the long fuzz profile: a ragged list reached numpy's ValueError."""
+    t = io.Transformer({"data": (1, 3, 4, 4)})
+    t.set_raw_scale("data", 255)
+    with pytest.raises(TypeError, match=r"^deprocess 'data': expected an array, got list"):
+        t.deprocess("data", [[1.0], [1.0, 2.0]])
+    with pytest.raises(PurineError, match=r"^deprocess 'data': expected numbers, got an array "
+                                          r"of dtype <U1$"):
+        t.deprocess("data", np.array(["a"]))
