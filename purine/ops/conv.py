@@ -576,7 +576,7 @@ def deconv_forward(x: Array, w: Array, *rest: Array, geom: ConvGeometry) -> None
     convolution that maps y back to x (its channels are the deconvolution's outputs)."""
     *b, y = rest
     conv_backward_data(x, w, y, geom=geom)
-    if b:
+    if b and y.size:  # an empty top has nothing to add to (and no -1 axis to infer)
         y3 = y.reshape(geom.num, geom.channels, -1)
         y3 += b[0].reshape(1, geom.channels, 1)
 

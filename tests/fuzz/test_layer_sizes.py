@@ -277,6 +277,10 @@ def test_fork_regressions(case: tuple[dict, str, str]) -> None:
 # -- the cases each class of the issue names, run every time -----------------------------
 def test_regressions() -> None:
     big = 2 ** 31 - 1
+    # the long profile's find: a biased Deconvolution of an empty batch with no pixels
+    assert run_case({"x": [0, 1, 0, 0]}, f'type: "Deconvolution" bottom: "x" top: "y" '
+                    f'convolution_param {{ num_output: 1 kernel_h: 2 kernel_w: 2 {FILL} }}'
+                    ) == "success"
     assert run_case({"x": [0, 2, 3], "cont": [0, 2]},
                     f'type: "LSTM" bottom: "x" bottom: "cont" top: "y" recurrent_param {{ '
                     f'num_output: 3 {FILL} }}') == "success"
