@@ -47,10 +47,11 @@ def _address_space() -> int:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def bounded_memory() -> Iterator[None]:
-    """Cap the address space while the module's cases run (the size bound's backstop)."""
+def bounded_memory(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Cap the address space while the module's cases run (the size bound's backstop); a
+    module may set its own ``HEADROOM``."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = _address_space() + HEADROOM
+    cap = _address_space() + getattr(request.module, "HEADROOM", HEADROOM)
     if hard != resource.RLIM_INFINITY:
         cap = min(cap, hard)
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))

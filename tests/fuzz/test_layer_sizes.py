@@ -8,8 +8,7 @@ OverflowError, IndexError, ValueError or numpy's text."""
 from __future__ import annotations
 
 import logging
-import resource
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given
@@ -47,20 +46,6 @@ def inputs(shapes: dict[str, list[int]]) -> str:
 HEADROOM = 1 << 30
 """Address space a case may add (tighter than the suite's 6 GiB): a net that fits it is
 drawn and run in a second or two; past it the net is refused by its layer's name."""
-
-
-@pytest.fixture(autouse=True, scope="module")
-def tight_memory() -> Iterator[None]:
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    with open("/proc/self/statm") as f:
-        cap = int(f.read().split()[0]) * resource.getpagesize() + HEADROOM
-    if soft != resource.RLIM_INFINITY:
-        cap = min(cap, soft)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 FILL = 'weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "constant" value: 0.1 }'
