@@ -40,13 +40,14 @@ def shape_problem(shape: Sequence[int], count: int | None = None) -> str | None:
     for i, d in enumerate(shape):
         if d < 0:
             return f"of shape {shape} has dimension {i} = {d}; dimensions are 0 or more"
-        if d > 2**31 - 1:  # Caffe's blob dims are C ints, an empty blob's too
-            return f"of shape {shape} has dimension {i} = {d}; at most 2147483647"
     n = math.prod(shape)
     if n > MAX_BLOB_COUNT:
         return f"of shape {shape} has {n} values, more than the {MAX_BLOB_COUNT} a blob may hold"
     if count is not None and n != count:
         return f"of shape {shape} holds {count} values"
+    for i, d in enumerate(shape):
+        if d > 2**31 - 1:  # Caffe's blob dims are C ints, an empty blob's too
+            return f"of shape {shape} has dimension {i} = {d}; at most 2147483647"
     return None
 
 
