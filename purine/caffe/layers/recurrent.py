@@ -104,8 +104,9 @@ class _Setup:
                     if xs is not None else None)
         self.pre = L.scratch("pre", (T, N, self.G))
         # A step's temporaries (its gate inputs and gradients (N, G), a few (N, H) arrays)
-        # and the states all steps read, (T, N, H), for the recurrent weight's gradient
-        L.net.require_scratch(L.location, (16 * N * self.G + T * N * H)
+        # and the states all steps read, (T, N, H), for the recurrent weight's gradient:
+        # twice, the shifted states and their product with cont (a long fuzz run's find)
+        L.net.require_scratch(L.location, (16 * N * self.G + 2 * T * N * H)
                               * np.dtype(x.dtype).itemsize,
                               f"scratch for {T} time steps of {N} x {self.G} gate values")
         L.forward(ip.inner_product_forward, [x, self.w_x, self.b], [self.pre], m=T * N,
