@@ -78,13 +78,7 @@ def _dims(what: str, dims: Any, n: int = 2) -> tuple[int, ...]:
 
 def _image(what: str, im: Any, ndim: int = 3) -> np.ndarray:
     """``im`` as a numeric array of ``ndim`` axes, or an IOArgumentError naming ``what``."""
-    try:
-        a = np.asarray(im)
-    except (TypeError, ValueError) as e:  # ragged nesting
-        raise IOArgumentError(f"{what}: expected an array, got {type(im).__name__} ({e})"
-                              ) from None
-    if a.dtype.kind not in "biuf":
-        raise IOArgumentError(f"{what}: expected numbers, got an array of dtype {a.dtype}")
+    a = _numbers(what, im, IOArgumentError)
     if a.ndim != ndim:
         want = "(H, W, K)" if ndim == 3 else f"{ndim}-d"
         raise IOArgumentError(f"{what}: expected an {want} array, got shape {a.shape}")
@@ -144,15 +138,16 @@ def array_to_blobproto(arr: np.ndarray, diff: np.ndarray | None = None
     return blob
 
 
-def _numbers(what: str, value: Any) -> np.ndarray:
-    """``value`` as an array of numbers, or an IOTypeError naming ``what``."""
+def _numbers(what: str, value: Any, error: type[PurineError] | None = None) -> np.ndarray:
+    """``value`` as an array of numbers, or an ``error`` (default IOTypeError) naming
+    ``what``."""
+    error = error or IOTypeError
     try:
         a = np.asarray(value)
     except (TypeError, ValueError) as e:  # ragged nesting
-        raise IOTypeError(f"{what}: expected an array, got {type(value).__name__} ({e})"
-                          ) from None
+        raise error(f"{what}: expected an array, got {type(value).__name__} ({e})") from None
     if a.dtype.kind not in "biuf":
-        raise IOTypeError(f"{what}: expected numbers, got an array of dtype {a.dtype}")
+        raise error(f"{what}: expected numbers, got an array of dtype {a.dtype}")
     return a
 
 
