@@ -184,7 +184,8 @@ def assign(dst: Any, value: Any) -> None:
             if value.shape == dst.shape and dst.flags.c_contiguous:
                 # ordered on the current stream (a Copy op's); from pageable host memory
                 # the call returns once the host array has been read
-                dst.set(np.ascontiguousarray(value), stream=cupy.cuda.get_current_stream())
+                # (np.asarray, not np.ascontiguousarray: that makes a 0-d value 1-d)
+                dst.set(np.asarray(value, order="C"), stream=cupy.cuda.get_current_stream())
                 return
             value = cupy.asarray(value)
     dst[...] = value

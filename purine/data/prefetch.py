@@ -351,7 +351,7 @@ class Uploader:
             with self._stream:
                 arrays = self._take([(np.shape(a), np.asarray(a).dtype) for a in batch])
                 for dst, a in zip(arrays, batch, strict=True):
-                    dst.set(np.ascontiguousarray(a), stream=self._stream)
+                    dst.set(np.asarray(a, order="C"), stream=self._stream)  # 0-d stays 0-d
                 ready = cupy.cuda.Event(block=False, disable_timing=True)
                 ready.record(self._stream)
         self.pool.give(batch)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from purine.backend import copy_array, is_device_array
+from purine.backend import assign, copy_array, is_device_array
 
 Array = Any
 
@@ -16,7 +16,8 @@ def fill(y: Array, *, value: float) -> None:
 
 
 def fill_random(y: Array, *, draw: Callable[[], Any]) -> None:
-    y[...] = draw()
+    """``draw`` makes the values on the host (one random stream wherever ``y`` lives)."""
+    assign(y, draw())
 
 
 def copy(x: Array, y: Array) -> None:

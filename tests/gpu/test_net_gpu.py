@@ -357,10 +357,18 @@ def test_lenet_on_the_gpu_reproduces_the_cpu_losses_over_100_iterations(tmp_path
     from purine.caffe.solver import Solver
 
     param = lenet_solver(tmp_path)
+    # float64: the same arithmetic up to summation order (cuBLAS against the CPU's GEMM),
+    # so 100 SGD steps stay within 1e-9
+    cpu = losses(Solver(param, dtype="float64"), 100)
+    gpu = losses(Solver(param, location=GPU0, dtype="float64"), 100)
+    np.testing.assert_allclose(gpu, cpu, rtol=1e-9)
+    assert cpu[-1] < 0.5 * cpu[0]  # it learned
+    # float32: the rounding differences grow with training; on an H200 the first 92 steps
+    # agreed within 1e-4 and the 100th within 7e-4
     cpu = losses(Solver(param), 100)
     gpu = losses(Solver(param, location=GPU0), 100)
-    np.testing.assert_allclose(gpu, cpu, rtol=1e-4)
-    assert cpu[-1] < 0.5 * cpu[0]  # it learned
+    np.testing.assert_allclose(gpu[:50], cpu[:50], rtol=1e-4)
+    np.testing.assert_allclose(gpu, cpu, rtol=3e-3)
 
 
 @requires_gpu
