@@ -4,6 +4,7 @@ gradient over every rank; the launcher detection and the solver's collective hel
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import time
@@ -82,13 +83,56 @@ def abort_on_error(comm: Any | None, command: str = "train") -> Iterator[None]:
         else:
             traceback.print_exc()
         sys.stderr.flush()
+        if isinstance(e, RankLost):  # MPI_Abort and MPI_Finalize would wait for the lost
+            os._exit(1)              # rank; mpiexec reports the job failed
         comm.Abort(1)
+
+
+START_S = 60.0
+"""How long a rank waits at a start-up collective for the others: every live rank reaches
+them within moments of reading the solver, so only a dead or hung rank keeps one waiting."""
+
+
+class RankLost(PurineError):
+    """Another rank did not take part in a collective in time (it died or hangs)."""
+
+
+def mpi_line(e: BaseException) -> str:
+    """An MPI error in one line: its class and the innermost reason of MPICH's error stack
+    (e.g. ``Other MPI error (process_vm_readv failed)``)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+    head = lines[0].removesuffix("error stack:").rstrip(" ,:")
+    return f"{head} ({lines[-1]})" if len(lines) > 1 else head
+
+
+def gather(comm: Any, values: Sequence[int], what: str, patience: float = START_S
+           ) -> np.ndarray:
+    """Every rank's ``values`` as rows of int64, row k rank k's: one non-blocking
+    all-gather, waited for at most ``patience`` seconds. MPICH tells the survivors nothing
+    of a dead rank, so a blocking collective would wait for it forever; this one ends in
+    one line (RankLost)."""
+    mine = np.asarray(values, np.int64).ravel()
+    table = np.empty((comm.size, mine.size), np.int64)
+    try:
+        req = comm.Iallgather(mine, table)
+        deadline = time.monotonic() + patience
+        while not req.Test():
+            if time.monotonic() > deadline:
+                raise RankLost(f"not every MPI rank reached {what} within {patience:g}s (a "
+                               f"rank died or hangs); rank {comm.rank} stops")
+            time.sleep(0.002)
+    except Exception as e:
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is None or not isinstance(e, mpi.Exception):
+            raise
+        raise RankLost(f"MPI failed at {what}: {mpi_line(e)}") from None  # a dead rank
+    return table
 
 
 def same_on_every_rank(comm: Any, value: int, what: str) -> None:
     """Refuse, on every rank alike, unless every rank gives the same ``value`` (collective);
     the message names the ranks that differ from rank 0."""
-    values = comm.allgather(value)
+    values = [int(v) for v in gather(comm, [value], what)[:, 0]]
     differ = [k for k, v in enumerate(values) if v != values[0]]
     if differ:
         raise PurineError(f"{what} must be the same on every MPI rank: rank 0 has "
@@ -99,11 +143,17 @@ def same_on_every_rank(comm: Any, value: int, what: str) -> None:
 def local_rank(comm: Any) -> int:
     """This rank's index among the ranks on its machine (those sharing its memory); the
     same answer whichever launcher started them (collective)."""
-    node = comm.Split_type(_mpi().COMM_TYPE_SHARED)
-    try:
-        return node.rank
-    finally:
-        node.Free()
+    return _node(comm)[0]
+
+
+def _node(comm: Any) -> tuple[int, int]:
+    """(this rank's index among the ranks on its machine, their number), by machine name,
+    in one start-up gather (collective)."""
+    name = _mpi().Get_processor_name().encode()
+    key = int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little", signed=True)
+    keys = gather(comm, [key], "the count of ranks per machine")[:, 0]
+    here = keys == key
+    return int(np.count_nonzero(here[:comm.rank])), int(np.count_nonzero(here))
 
 
 def share_cores(comm: Any) -> str | None:
@@ -114,11 +164,7 @@ def share_cores(comm: Any) -> str | None:
     returns what it did, in words, or None where a rank has its machine to itself."""
     from purine.backend import set_blas_threads
 
-    node = comm.Split_type(_mpi().COMM_TYPE_SHARED)
-    try:
-        ranks = node.size
-    finally:
-        node.Free()
+    ranks = _node(comm)[1]
     if ranks <= 1:
         return None
     machine = os.cpu_count() or 1

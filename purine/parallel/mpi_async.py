@@ -40,22 +40,16 @@ from purine.parallel.async_ps import (
     SolverWithServer,
     refuse_forward_written,
 )
+from purine.parallel.mpi import RankLost, mpi_line
 
-PULL, WEIGHTS, GRADS, STOP, BYE, FINALIZE, BEAT, FAILED = range(11, 19)  # message tags
+# message tags
+PULL, WEIGHTS, GRADS, STOP, BYE, FINALIZE, BEAT, FAILED, HELLO, VERDICT = range(11, 21)
 SERVER = 0
 POLL_S = 0.002  # how long a process with nothing to do sleeps before looking again
 
 
 class LinkError(PurineError):
     """An MPI call of the Downpour link failed (a peer died and the transport says so)."""
-
-
-def mpi_line(e: BaseException) -> str:
-    """An MPI error in one line: its class and the innermost reason of MPICH's error stack
-    (e.g. ``Other MPI error (process_vm_readv failed)``)."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
-    head = lines[0].removesuffix("error stack:").rstrip(" ,:")
-    return f"{head} ({lines[-1]})" if len(lines) > 1 else head
 
 
 class Link:
@@ -89,7 +83,7 @@ class Link:
         while not self._stop.wait(interval):
             for k in list(self.peers):
                 try:
-                    self.send(k, BEAT, np.zeros(1))
+                    self.send(k, BEAT, np.zeros(0))  # no values: any dtype reads it
                 except self.MPI.Exception:  # a lost peer's transport may refuse: its silence
                     self.peers.remove(k)    # decides, and the others still hear from us
 
@@ -474,19 +468,38 @@ class MpiWorker:
         return loss / n
 
 
-def _handshake(comm: Any, sizes: Sizes | None) -> None:
-    """The one collective: every rank says whether it built its side and the message sizes
-    it expects; any failure or disagreement stops every rank alike."""
-    from mpi4py import MPI
-
-    mine = np.array([sizes is not None, sizes.weights if sizes else 0,
-                     sizes.grads if sizes else 0], np.int64)
-    table = np.empty((comm.size, 3), np.int64)
-    try:
-        comm.Allgather(mine, table)
-    except MPI.Exception as e:
-        raise PurineError(f"the start-up handshake of the ranks failed: {mpi_line(e)}") \
-            from None
+def _handshake(link: Link, sizes: Sizes | None, heartbeat: float) -> None:
+    """Every rank says whether it built its side and the message sizes it expects: the
+    workers tell the server, the server tells every worker the whole table. Any failure,
+    disagreement or silence (a rank heard from for none of ``heartbeat`` seconds: dead)
+    stops every rank alike; a silence is RankLost."""
+    comm = link.comm
+    mine = [sizes is not None, sizes.weights if sizes else 0, sizes.grads if sizes else 0]
+    if comm.rank == SERVER:
+        table = np.zeros((comm.size, 3))
+        table[SERVER] = mine
+        waiting = set(range(1, comm.size))
+        while waiting:
+            source, values = _startup_message(link, waiting, HELLO, heartbeat)
+            if values is None:  # silent: lost
+                table[source, 0] = -1
+            else:
+                table[source] = values[:3]
+            waiting.discard(source)
+        for k in range(1, comm.size):
+            if table[k, 0] >= 0:
+                link.send(k, VERDICT, table.ravel())
+    else:
+        link.send(SERVER, HELLO, np.asarray(mine, np.float64))
+        _, values = _startup_message(link, {SERVER}, VERDICT, heartbeat)
+        if values is None:
+            raise RankLost(f"the server (rank 0) sent nothing for more than {heartbeat:g}s "
+                           "while starting (--heartbeat); this worker stops")
+        table = values.reshape(comm.size, 3)
+    lost = [k for k in range(comm.size) if table[k, 0] < 0]
+    if lost:
+        raise RankLost(f"rank(s) {', '.join(map(str, lost))} sent nothing for more than "
+                       f"{heartbeat:g}s while starting (--heartbeat); every rank stops")
     failed = [k for k in range(comm.size) if not table[k, 0]]
     if failed:
         raise PurineError(f"rank(s) {', '.join(map(str, failed))} failed to build the net; "
@@ -494,8 +507,31 @@ def _handshake(comm: Any, sizes: Sizes | None) -> None:
     differ = [k for k in range(comm.size) if tuple(table[k, 1:]) != tuple(table[0, 1:])]
     if differ:
         raise PurineError(f"rank(s) {', '.join(map(str, differ))} built another net than rank "
-                          f"0 ({table[differ[0], 1]} weight values, rank 0 has {table[0, 1]}): "
-                          "give every rank the same solver")
+                          f"0 ({int(table[differ[0], 1])} weight values, rank 0 has "
+                          f"{int(table[0, 1])}): give every rank the same solver")
+
+
+def _startup_message(link: Link, sources: set[int], tag: int, heartbeat: float
+                     ) -> tuple[int, np.ndarray | None]:
+    """(source, values) of the next ``tag`` message from one of ``sources``, or (k, None)
+    once rank k of them has been silent for ``heartbeat`` seconds; heartbeats and strays
+    are read and dropped."""
+    while True:
+        try:
+            m = link.next_message()
+        except LinkError as e:
+            raise RankLost(str(e)) from None
+        if m is None:
+            now = time.monotonic()
+            silent = [k for k in sources if now - link.seen[k] > heartbeat]
+            if silent:
+                return silent[0], None
+            time.sleep(POLL_S)
+            continue
+        source, got, msg, count = m
+        values = link.receive(msg, count, heartbeat)
+        if got == tag and source in sources:
+            return source, values  # None: the sender died while sending
 
 
 def _say(comm: Any, text: str) -> None:
@@ -511,6 +547,10 @@ def train(param: pb.SolverParameter, comm: Any, *, staleness: int, heartbeat: fl
     (every rank is still there to)."""
     side: Solver | MpiWorker | None = None
     sizes: Sizes | None = None
+    # Heartbeats from the first moment: a rank still building its net (seconds; minutes for
+    # a big one) is heard from, and a dead one is known by its silence, not waited for.
+    startup = Link(comm, list(range(1, comm.size)) if comm.rank == SERVER else [SERVER],
+                   heartbeat / 10)
     try:
         if comm.rank == SERVER:
             server = MpiParameterServer(comm, staleness, heartbeat)
@@ -524,12 +564,15 @@ def train(param: pb.SolverParameter, comm: Any, *, staleness: int, heartbeat: fl
     except Exception as e:  # noqa: BLE001 -- the handshake tells the other ranks
         _say(comm, str(e) if isinstance(e, PurineError) else traceback.format_exc())
     try:
-        _handshake(comm, sizes)
+        _handshake(startup, sizes, heartbeat)
     except PurineError as e:
-        if side is not None:  # a rank that failed to build said why already
+        if side is not None or isinstance(e, RankLost):  # a failed build said why already
             _say(comm, str(e))
+        if side is not None:
             side.close()
-        return 1, True
+        startup.close()
+        return 1, not isinstance(e, RankLost)
+    startup.close()
     if isinstance(side, MpiWorker):
         with side.solver:
             _say(comm, f"worker rank {comm.rank} (pid {os.getpid()}) started: replica "

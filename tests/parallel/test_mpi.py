@@ -224,27 +224,29 @@ def test_mpi_without_mpi4py_is_a_clear_error(no_launcher, monkeypatch, capsys, t
     assert not list(tmp_path.glob("lenet_*"))
 
 
-class Node:
-    def __init__(self, size):
-        self.size = size
-
-    def Free(self):
-        pass
+class Done:
+    def Test(self):
+        return True
 
 
 class Job:
-    def __init__(self, ranks_here):
-        self.ranks_here = ranks_here
+    """Rank 0 of a job whose ranks are all on one machine: a start-up gather sees every
+    rank give this rank's values."""
 
-    def Split_type(self, kind):
-        assert kind == "shared"
-        return Node(self.ranks_here)
+    rank = 0
+
+    def __init__(self, ranks_here):
+        self.size = ranks_here
+
+    def Iallgather(self, mine, table):
+        table[...] = mine
+        return Done()
 
 
 def test_ranks_on_one_machine_split_its_cores_unless_the_environment_says(monkeypatch):
     import purine.backend as backend
 
-    monkeypatch.setattr(mpi, "_mpi", lambda: SimpleNamespace(COMM_TYPE_SHARED="shared"))
+    monkeypatch.setattr(mpi, "_mpi", lambda: SimpleNamespace(Get_processor_name=lambda: "h"))
     cores = set(range(8))
     monkeypatch.setattr(mpi.os, "sched_getaffinity", lambda pid: cores)
     monkeypatch.setattr(mpi.os, "cpu_count", lambda: 8)
@@ -265,3 +267,23 @@ def test_ranks_on_one_machine_split_its_cores_unless_the_environment_says(monkey
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert mpi.share_cores(Job(4)).endswith("thread counts as the environment sets them")
     assert asked == [2, 3]
+
+
+class Never:
+    def Test(self):
+        return False
+
+
+class DeadJob(Job):
+    """A job one of whose ranks died: its gather never completes."""
+
+    def Iallgather(self, mine, table):
+        return Never()
+
+
+def test_a_start_up_gather_with_a_dead_rank_ends_in_one_line():
+    with pytest.raises(mpi.RankLost) as e:
+        mpi.gather(DeadJob(3), [1], "the count of ranks per machine", patience=0.05)
+    assert str(e.value) == ("not every MPI rank reached the count of ranks per machine within "
+                            "0.05s (a rank died or hangs); rank 0 stops")
+    assert mpi.gather(Job(3), [4, 5], "x").tolist() == [[4, 5]] * 3

@@ -114,6 +114,10 @@ class Comm:
     def allgather(self, value):
         return self._meet("allgather", value)
 
+    def Iallgather(self, mine, table):
+        table[...] = np.stack(self._meet("Iallgather", np.array(mine)))
+        return SimpleNamespace(Test=lambda: True)
+
     def bcast(self, value, root):
         return self._meet("bcast", value)[root]
 
@@ -430,12 +434,12 @@ def test_ranks_must_agree_on_their_gpu_count():
     assert run_ranks(2, lambda k: mpi.same_on_every_rank(world.comm(k), 2, "x")) == [None] * 2
 
 
-def test_local_rank_is_the_rank_among_those_sharing_memory(monkeypatch):
-    freed = []
-    node = SimpleNamespace(rank=3, Free=lambda: freed.append(True))
-    comm = SimpleNamespace(Split_type=lambda kind: node if kind == "shared" else None)
-    monkeypatch.setattr(mpi, "_mpi", lambda: SimpleNamespace(COMM_TYPE_SHARED="shared"))
-    assert mpi.local_rank(comm) == 3 and freed == [True]
+def test_local_rank_is_the_rank_among_those_on_its_machine(monkeypatch):
+    machines = ["a", "b", "a", "b", "a"]  # ranks 0..4 dealt round robin to two machines
+    monkeypatch.setattr(mpi, "_mpi", lambda: SimpleNamespace(
+        Get_processor_name=lambda: machines[ME.rank]))
+    world = World(5)
+    assert run_ranks(5, lambda k: mpi.local_rank(world.comm(k))) == [0, 0, 1, 1, 2]
 
 
 def test_gpu_local_under_mpirun_asks_every_rank_then_says_why_not(launcher, tmp_path):
