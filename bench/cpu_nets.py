@@ -17,7 +17,10 @@ peer for the bench only, never a dependency of the package.
 ``--layers NET`` prints where one forward+backward of NET spends its time, per Caffe layer
 and direction: purine's from its dispatcher's profiler (each op's kernel time, summed over
 the ops a layer builds), PyTorch's from ``torch.profiler`` (see ``run_torch_layers``).
-Medians of N profiled iterations after 3 warm-up ones.
+Medians of N profiled iterations after 3 warm-up ones. Then, for each Convolution and
+InnerProduct layer, the GFLOP/s those times give and their share of the practical peak: the
+best of five 2048^3 float32 GEMMs through each side's own library (oneDNN's matmul for
+purine where it is loaded, else numpy's BLAS; torch.mm for PyTorch), on the same cores.
 """
 
 from __future__ import annotations
@@ -221,6 +224,63 @@ def medians(samples: list[dict[str, list[float]]], names: list[str],
     return {"rows": rows, "total": total, "wall": statistics.median(walls)}
 
 
+PEAK_N = 2048  # the GEMM that measures the practical peak: (n, n) @ (n, n), float32
+
+
+def layer_flops(name: str) -> dict[str, list[float]]:
+    """[forward, backward] floating-point operations (a multiply-add is two) of each
+    Convolution and InnerProduct layer, from the net's shapes: forward 2 MACs per output
+    product term; backward the weight gradient (as many) and, unless the bottom is the
+    net's input (no gradient wanted there, as in Caffe), the bottom's gradient (as many)."""
+    import math
+
+    from purine.caffe import TRAIN, Net
+
+    param = train_net_param(name)
+    net = Net(param, phase=TRAIN)
+    inputs_ = {t for L in param.layer if L.type == "Input" for t in L.top}
+    out = {}
+    for L in param.layer:
+        if L.type not in ("Convolution", "InnerProduct"):
+            continue
+        w = net.params[L.name][0].data.shape  # (Cout, Cin/g, kh, kw) or (N, K)
+        if L.type == "Convolution":
+            macs = math.prod(net.blobs[L.top[0]].data.shape) * math.prod(w[1:])
+        else:
+            macs = math.prod(net.blobs[L.bottom[0]].data.shape) * w[0]
+        out[L.name] = [2.0 * macs, 2.0 * macs * (1 if L.bottom[0] in inputs_ else 2)]
+    return out
+
+
+def gemm_peak(matmul, np_module) -> float:
+    """GFLOP/s of the best of 5 (PEAK_N)^3 float32 products through ``matmul(a, b, c)``: the
+    practical peak of that library on this machine's cores."""
+    a = np_module.ones((PEAK_N, PEAK_N), dtype=np_module.float32)
+    b, c = a + 0, a + 0
+    matmul(a, b, c)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        matmul(a, b, c)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * PEAK_N ** 3 / best / 1e9
+
+
+def purine_peak() -> tuple[float, str]:
+    """The peak through the library purine's float32 products use: oneDNN's matmul where
+    it is loaded, else numpy's BLAS."""
+    import numpy as np
+
+    from purine.backend import onednn
+
+    dnnl = onednn.get()
+    if dnnl is not None:
+        with onednn.pass_scope():  # as in a pass: OpenBLAS at one thread beside oneDNN
+            return gemm_peak(lambda a, b, c: dnnl.matmul(a, b, None, c, PEAK_N, PEAK_N,
+                                                         PEAK_N), np), "oneDNN matmul"
+    return gemm_peak(lambda a, b, c: np.matmul(a, b, out=c), np), "numpy matmul (BLAS)"
+
+
 def run_purine_layers(name: str, iterations: int) -> dict:
     """Each op's kernel time from the dispatcher's trace, summed per layer: forward ops in
     [0], backward ops in [1]. The loss-weight seeds (the first backward ops) count towards
@@ -253,7 +313,9 @@ def run_purine_layers(name: str, iterations: int) -> dict:
                 ms[layer][k] += (e.end - e.start) * 1e3
             samples.append(ms)
     d.profile, d.trace = False, []
-    return medians(samples, names, walls[LAYER_WARMUP:])
+    peak, library = purine_peak()
+    return {**medians(samples, names, walls[LAYER_WARMUP:]), "flops": layer_flops(name),
+            "peak": peak, "peak_library": library}
 
 
 def run_torch_layers(name: str, iterations: int) -> dict:
@@ -311,7 +373,8 @@ def run_torch_layers(name: str, iterations: int) -> dict:
                 current = seq_owner[e.sequence_nr]
             ms[current][1] += e.cpu_time_total / 1e3
         samples.append(ms)
-    return medians(samples, names, walls)
+    peak = gemm_peak(lambda a, b, c: torch.mm(a, b, out=c), torch)
+    return {**medians(samples, names, walls), "peak": peak}
 
 
 def print_layers(net: str, ours: dict, theirs: dict) -> None:
@@ -324,6 +387,21 @@ def print_layers(net: str, ours: dict, theirs: dict) -> None:
     print(f"{'total':8s} {'':16s} {pf:9.2f} {tf:9.2f} {pb:9.2f} {tb:9.2f}")
     print(f"wall time of a profiled forward+backward: ours {ours['wall']:.2f} ms, "
           f"torch {theirs['wall']:.2f} ms")
+    print()
+    print(f"practical peak, a {PEAK_N}^3 float32 GEMM: ours {ours['peak']:.1f} GFLOP/s "
+          f"({ours['peak_library']}), torch {theirs['peak']:.1f} GFLOP/s (torch.mm)")
+    print(f"{'layer':8s} {'GFLOP f/b':>11s} {'ours fwd':>14s} {'torch fwd':>14s} "
+          f"{'ours bwd':>14s} {'torch bwd':>14s}   (GFLOP/s, % of that side's peak)")
+
+    def rate(flops: float, ms: float, peak: float) -> str:
+        g = flops / (ms * 1e6) if ms > 0 else float("nan")
+        return f"{g:7.1f} ({100 * g / peak:3.0f}%)"
+
+    for n, (ff, fb) in ours["flops"].items():
+        (pf, pb), (tf, tb) = ours["rows"][n], theirs["rows"][n]
+        print(f"{n:8s} {ff / 1e9:5.2f}/{fb / 1e9:5.2f} {rate(ff, pf, ours['peak'])} "
+              f"{rate(ff, tf, theirs['peak'])} {rate(fb, pb, ours['peak'])} "
+              f"{rate(fb, tb, theirs['peak'])}")
 
 
 def worker_env() -> dict[str, str]:
