@@ -1,6 +1,6 @@
 """CPU forward+backward time and peak memory of LeNet (batch 64), CIFAR-10 quick (batch 100)
 and AlexNet (batch 16), purine-caffe beside PyTorch's CPU build in the same run, then the
-whole training loop of LeNet and CIFAR-10 quick (bench/train_loop.py) beside PyTorch's.
+whole training loop of each (bench/train_loop.py: from an LMDB) beside PyTorch's.
 
     python bench/cpu_nets.py [--iterations N] [--nets lenet,cifar10_quick,alexnet]
                              [--train-iterations N] [--no-train-loop]

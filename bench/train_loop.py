@@ -1,16 +1,17 @@
 """Images per second of whole training iterations (data layer, forward, backward, SGD with
 momentum), purine-caffe beside a plain PyTorch training loop, in the same run.
 
-    python bench/train_loop.py [--iterations N] [--nets lenet,cifar10_quick] [--records N]
+    python bench/train_loop.py [--iterations N] [--nets lenet,cifar10_quick,alexnet] [--records N]
 
-purine-caffe trains the model zoo's TRAIN net from its solver settings (SGD, momentum 0.9,
-the zoo's lr, weight decay and batch) with its Data layer reading a temporary LMDB of raw
-Datums that this script writes (LeNet: 28x28 gray, scale 1/256; CIFAR-10 quick: 32x32 color,
-no mean file), through ``Solver.step`` in-process, as ``purine-caffe train`` runs it. PyTorch
-runs the same layers (bench/cpu_nets.py's transcription) over the same images held in memory
-as float tensors, with ``torch.optim.SGD(momentum=0.9, weight_decay=...)``: it pays no
-decoding, which is PyTorch's best case. Each (framework, net) pair runs in a fresh subprocess
-for its own peak resident memory (counted as in bench/cpu_nets.py, which runs this
+purine-caffe trains the model zoo's TRAIN net from its solver settings (SGD, momentum 0.9, the
+zoo's lr, weight decay and batch) with its Data layer reading a temporary LMDB of raw Datums
+that this script writes (LeNet: 28x28 gray, scale 1/256; CIFAR-10 quick: 32x32 color, no mean
+file; AlexNet, batch 16: 256x256 color cropped to 227 at random and mirrored, no mean file, 200
+MB of records), through ``Solver.step`` in-process, as ``purine-caffe train`` runs it. PyTorch
+runs the same layers (bench/cpu_nets.py's transcription) over the same images held in memory as
+float tensors, with ``torch.optim.SGD(momentum=0.9, weight_decay=...)``: it pays no decoding,
+cropping or mirroring, which is PyTorch's best case. Each (framework, net) pair runs in a fresh
+subprocess for its own peak resident memory (counted as in bench/cpu_nets.py, which runs this
 comparison too); the rate is the median of the timed iterations after 3 warm-up iterations.
 """
 
@@ -37,19 +38,29 @@ from cpu_nets import (  # noqa: E402
     train_net_param,
 )
 
-# net: (channels, size, transform_param text, lr, weight decay)
+# net: (channels, record size, transform_param text, lr, weight decay)
 SETTINGS = {
     "lenet": (1, 28, "scale: 0.00390625", 0.01, 0.0005),
     "cifar10_quick": (3, 32, "", 0.001, 0.004),
+    # 256x256 records cropped to 227 at random and mirrored, as models/bvlc_alexnet trains
+    # (no mean file); PyTorch gets the 227x227 corners in memory. Batch 16 (bench/cpu_nets).
+    "alexnet": (3, 256, "crop_size: 227 mirror: true", 0.01, 0.0005),
 }
 WARMUP = 3
 RECORDS = 2000
+MAX_BYTES = 200 << 20  # fewer records of a large image: AlexNet's 2000 would take 393 MB
+
+
+def records_of(name: str, records: int) -> int:
+    channels, size = SETTINGS[name][:2]
+    return max(NETS[name][1][0] + 1, min(records, MAX_BYTES // (channels * size * size)))
 
 
 def images(name: str, n: int):
     import numpy as np
 
     channels, size = SETTINGS[name][:2]
+    n = records_of(name, n)
     rng = np.random.default_rng(0)
     return (rng.integers(0, 256, (n, channels, size, size), dtype=np.uint8),
             rng.integers(0, 10, n))
@@ -62,7 +73,8 @@ def write_lmdb(name: str, path: str, n: int) -> None:
     x, y = images(name, n)
     write_datums(path, ((f"{i:08d}", pb.Datum(channels=x.shape[1], height=x.shape[2],
                                                width=x.shape[3], data=x[i].tobytes(),
-                                               label=int(y[i]))) for i in range(n)), total=n)
+                                               label=int(y[i]))) for i in range(len(x))),
+                 total=len(x))
 
 
 def run_purine(name: str, iterations: int, records: int) -> dict:
@@ -103,6 +115,9 @@ def run_torch(name: str, iterations: int, records: int) -> dict:
     _, _, transform, lr, decay = SETTINGS[name]
     batch = NETS[name][1][0]
     x, y = images(name, records)
+    records = len(x)
+    crop = NETS[name][1][2]
+    x = x[..., :crop, :crop]
     scale = 0.00390625 if "scale" in transform else 1.0
     base = rss_mb()
     data = torch.from_numpy(x.astype("float32") * scale)
