@@ -129,6 +129,7 @@ class NetBuilder:
         self._blob_bytes: dict[tuple, int] = {}  # every blob's bytes so far, by memory space
         self._counted = 0  # graph blobs counted in _blob_bytes
         self._scratch: list[tuple[Location, int, str]] = []  # a layer's op workspaces
+        self._all_scratch: list[tuple[LayerBuild, Location, int, str]] = []  # the net's
         self.loss_tops: list[tuple[Blob, float]] = []
         self.seed_ops: list[Op] = []
         self._diffs: dict[str, Blob] = {}
@@ -255,11 +256,23 @@ class NetBuilder:
         refused at build time, not at the op's run."""
         self._scratch.append((location, nbytes, what))
 
-    def _check_scratch(self) -> None:
+    def _check_scratch(self, layer: LayerBuild) -> None:
+        """Now, beside the blobs counted so far (to refuse early); kept to be checked again
+        beside every blob once the net is built (``_check_all_scratch``): an op's
+        workspace exists while any blob may, the gradients counted later included."""
         for location, nbytes, what in self._scratch:
             check_capacity(location, nbytes, 0, what)  # alone, then beside the blobs
             check_capacity(location, nbytes, self._blob_bytes.get(location.memory, 0), what)
+            self._all_scratch.append((layer, location, nbytes, what))
         self._scratch.clear()
+
+    def _check_all_scratch(self) -> None:
+        for layer, location, nbytes, what in self._all_scratch:
+            try:
+                check_capacity(location, nbytes, self._blob_bytes.get(location.memory, 0),
+                               what)
+            except PurineError as e:
+                raise layer.error(str(e)) from None
 
     def param_diff(self, layer: str, k: int, param: Blob) -> Blob:
         """The gradient ``layer``'s use ``k`` of ``param`` writes (its own blob where the
@@ -332,7 +345,7 @@ class NetBuilder:
             try:
                 backwards.append(builder(L))
                 self._check_sizes()
-                self._check_scratch()
+                self._check_scratch(L)
             except LayerError:
                 raise
             except PurineError as e:
@@ -369,7 +382,7 @@ class NetBuilder:
                 try:
                     backward()
                     self._check_sizes()  # the gradients it adds
-                    self._check_scratch()
+                    self._check_scratch(L)
                 except LayerError:
                     raise
                 except PurineError as e:
@@ -393,6 +406,7 @@ class NetBuilder:
                 L.forward_ops = [op for op in L.forward_ops if op not in L.save_ops]
         self._sum_shared_diffs()
         self._check_sizes()
+        self._check_all_scratch()
         if self.debug and self.layers and any(L.backward_ops for L in self.layers):
             params = self.learnable_params
             grads = [self.param_grad(w) for w in params]

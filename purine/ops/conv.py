@@ -150,7 +150,7 @@ class _Workspace:
         self.xp, self.g, self.dtype = xp, g, dtype
         p = g.out_h * g.out_w
         per_sample = g.channels * g.kernel_h * g.kernel_w * p
-        n = max(COL_BUDGET // max(per_sample, 1), -(-MIN_COLUMNS // p))
+        n = max(COL_BUDGET // max(per_sample, 1), -(-MIN_COLUMNS // max(p, 1)))  # p: 0 pixels
         n = max(1, min(g.num, n))
         self.chunks = [slice(i, min(i + n, g.num)) for i in range(0, g.num, n)]
         self.batch_last = _batch_last(g)

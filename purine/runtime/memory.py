@@ -52,6 +52,12 @@ def blob_nbytes(blob: Blob) -> int:
     return blob.count * np.dtype(blob.dtype).itemsize
 
 
+RLIMIT_SLACK = 16 << 20
+"""Address space kept free under RLIMIT_AS beyond the bytes counted: a pass maps some tens
+of KiB that no op declares (the dispatcher's objects, numpy's iteration buffers), and
+OpenBLAS's threaded GEMM mallocs on every call and ends the process when that fails."""
+
+
 def address_space_left() -> int | None:
     """Bytes this process may still map under its RLIMIT_AS soft limit (``ulimit -v``): the
     limit less the address space mapped now; None without a limit. Past it an allocation
@@ -83,10 +89,13 @@ def check_capacity(location: Location, need: int, held: int, what: str,
         raise PurineError(f"{what} {verb} for {show_bytes(need)}{already}; {device} has "
                           f"{show_bytes(total)} of memory")
     left = address_space_left() if location.device == "cpu" else None
+    if left is not None:
+        left = max(left - RLIMIT_SLACK, 0)
     pending = need if held_allocated else held + need
     if left is not None and pending > left:
         raise PurineError(f"{what} {verb} for {show_bytes(need)}{already}; this process may "
-                          f"map {show_bytes(left)} more (its address-space limit, RLIMIT_AS)")
+                          f"map {show_bytes(left)} more (its address-space limit, RLIMIT_AS, "
+                          f"less {show_bytes(RLIMIT_SLACK)} kept free)")
 
 
 def require_bytes(nbytes: int, what: str, location: Location = CPU) -> None:

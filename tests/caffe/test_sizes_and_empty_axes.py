@@ -192,6 +192,36 @@ def test_rnn_num_output_int32_max_is_refused_under_rlimit_as():
     assert int(out[1].split()[1]) < 100  # refused before anything was allocated
 
 
+def test_a_workspace_is_checked_beside_the_gradients_built_after_it():
+    # RNN over T = N = 4097 steps and streams, 3 inputs, 1 unit: 960 MiB of blobs, 192 of
+    # them the input's gradient, which the backward pass adds after the forward pass's
+    # check of the recurrent weight's 128 MiB workspace. Checked beside only the forward
+    # blobs, the net was built and ran out of address space inside its backward op (a long
+    # fuzz run's find); now it is refused when built, by the layer's name.
+    script = """
+    shape = lambda *d: " ".join(f"dim: {x}" for x in d)
+    text = (f'force_backward: true '
+            f'layer {{ name: "x" type: "Input" top: "x" input_param {{ shape {{ '
+            f'{shape(4097, 4097, 3)} }} }} }} '
+            f'layer {{ name: "c" type: "Input" top: "cont" input_param {{ shape {{ '
+            f'{shape(4097, 4097)} }} }} }} '
+            f'layer {{ name: "rnn" type: "RNN" bottom: "x" bottom: "cont" top: "y" '
+            f'recurrent_param {{ num_output: 1 weight_filler {{ type: "gaussian" std: 0.1 }} '
+            f'}} }}')
+    try:
+        with Net(text, phase=TRAIN) as net:
+            net.forward()
+            net.backward()
+        print("ran")
+    except PurineError as e:
+        print("refused", e)
+    """
+    out = _run_limited(script, 1024)
+    assert out[0].startswith("refused layer 'rnn' (type RNN): scratch for 4097 time steps of "
+                             "4097 x 1 gate values asks for 128.3 MiB beside the "), out
+    assert "(its address-space limit, RLIMIT_AS, less 16.0 MiB kept free)" in out[0], out
+
+
 def test_a_later_parameter_past_the_address_space_refuses_before_any_fill():
     # Each weight is 8000 x 8000 float32 (244 MiB): the third passes the 650 MiB left.
     script = """

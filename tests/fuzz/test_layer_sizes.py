@@ -250,6 +250,13 @@ FORK_REGRESSIONS = [  # (bottoms, layer, outcome); the comment: what it raised b
      'top: "y" prior_box_param { min_size: 1 }', "success"),  # a map of no cell: no prior
     ({"x": [1, 3, 2, 2], "img": [1, 3, 0, 4]}, 'type: "PriorBox" bottom: "x" bottom: "img" '
      'top: "y" prior_box_param { min_size: 1 }', "LayerError"),  # boxes divided by 0
+    # a backward workspace checked only beside the forward's blobs: 982 MiB counted, 1409
+    # MiB held once the gradients are there; a bare MemoryError while the process had
+    # grown less than 42 MiB since the module set its cap (so, now and then)
+    ({"x": [2, 3, 4097, 4097]}, 'type: "Interp" bottom: "x" top: "y" interp_param { '
+     'shrink_factor: 3 }', "LayerError"),
+    ({"x": [3, 1, 4097, 4097]}, 'type: "Normalize" bottom: "x" top: "y" norm_param { '
+     'across_spatial: false channel_shared: false }', "LayerError"),  # 960 of 1345 MiB
 ]
 
 
@@ -266,6 +273,14 @@ def test_regressions() -> None:
     assert run_case({"x": [0, 1, 0, 0]}, f'type: "Deconvolution" bottom: "x" top: "y" '
                     f'convolution_param {{ num_output: 1 kernel_h: 2 kernel_w: 2 {FILL} }}'
                     ) == "success"
+    # a long run's finds: a Deconvolution of no pixel (the chunk size divided by 0), and an
+    # Im2col whose 513 MiB padded copy in backward was checked beside the forward's blobs
+    # only (801 MiB counted, 1089 MiB held with the gradients)
+    assert run_case({"x": [1, 1, 0, 1]}, f'type: "Deconvolution" bottom: "x" top: "y" '
+                    f'convolution_param {{ num_output: 1 kernel_h: 2 kernel_w: 1 {FILL} }}'
+                    ) == "success"
+    assert run_case({"x": [2, 1, 3, 4]}, 'type: "Im2col" bottom: "x" top: "y" '
+                    'convolution_param { kernel_size: 3 stride: 4 pad: 4097 }') == "LayerError"
     assert run_case({"x": [0, 2, 3], "cont": [0, 2]},
                     f'type: "LSTM" bottom: "x" bottom: "cont" top: "y" recurrent_param {{ '
                     f'num_output: 3 {FILL} }}') == "success"

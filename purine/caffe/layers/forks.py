@@ -88,16 +88,18 @@ def interp_layer(L: LayerBuild):
         raise L.error(f"output size {tuple(out)} is not positive ({L.shapes()})")
     crop = (-p.pad_beg, -p.pad_beg, h_eff, w_eff)
     y = L.top(0, (n, c) + tuple(out))
+    scratch = _interp_scratch(n * c, (h_eff, w_eff), tuple(out), np.dtype(y.dtype).itemsize)
+    what = f"Interp's {h_eff}x{w_eff} -> {out[0]}x{out[1]} matrices and products"
     if n * c:  # an empty batch builds no matrix
-        L.net.require_scratch(L.location, _interp_scratch(n * c, (h_eff, w_eff), tuple(out),
-                                                          np.dtype(y.dtype).itemsize),
-                              f"Interp's {h_eff}x{w_eff} -> {out[0]}x{out[1]} matrices "
-                              f"and products")
+        L.net.require_scratch(L.location, scratch, what)
     L.forward(interp.interp_forward, [x], [y], crop=crop)
     L.no_force_backward.add(1)
 
     def backward():
         if L.needs_diff(0):
+            # The adjoint holds the same matrices and products, now beside the gradients.
+            if n * c:
+                L.net.require_scratch(L.location, scratch, what + " (backward)")
             L.backward(interp.interp_backward, [L.top_diff(0)], [L.bottom_diff(0)], crop=crop)
         if len(L.bottoms) == 2:
             L.zero_diff((1,), "InterpZeroDiff")
@@ -215,6 +217,9 @@ def _upsample_nearest(L: LayerBuild):
 
     def backward():
         if L.needs_diff(0):
+            # the block sums are made apart from the bottom's gradient, then copied into it
+            L.net.require_scratch(L.location, x.count * np.dtype(x.dtype).itemsize,
+                                  f"Upsample's block sums for bottom '{x.name}' {x.shape}")
             L.backward(interp.upsample_nearest_backward, [L.top_diff(0)], [L.bottom_diff(0)],
                        op_type="UpsampleNearestBackward", scale=scale)
     return backward
@@ -234,13 +239,15 @@ def upsample_layer(L: LayerBuild):
     n, c, h, w = x.shape
     y = L.top(0, (n, c) + _upsample_size(L, h, w))
     # the mask's int64 flat indices, their plane offsets and the values read back
-    L.net.require_scratch(L.location, x.count * (24 + np.dtype(x.dtype).itemsize),
-                          f"Upsample's indices into the top for bottom '{x.name}' {x.shape}")
+    scratch = x.count * (24 + np.dtype(x.dtype).itemsize)
+    what = f"Upsample's indices into the top for bottom '{x.name}' {x.shape}"
+    L.net.require_scratch(L.location, scratch, what)
     L.forward(interp.upsample_forward, [x, mask], [y])
     L.no_force_backward.add(1)
 
     def backward():
-        if L.needs_diff(0):
+        if L.needs_diff(0):  # the same indices, now beside the gradients
+            L.net.require_scratch(L.location, scratch, what + " (backward)")
             L.backward(interp.upsample_backward, [L.top_diff(0), mask], [L.bottom_diff(0)])
         L.zero_diff((1,), "UpsampleZeroDiff")
     return backward

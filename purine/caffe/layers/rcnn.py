@@ -45,21 +45,25 @@ def roi_pooling(L: LayerBuild):
     k = dict(pooled_h=p.pooled_h, pooled_w=p.pooled_w, spatial_scale=p.spatial_scale,
              layer=L.param.name)  # an ROI's bad batch index names the layer
     y = L.top(0, (rois.shape[0], x.shape[1], p.pooled_h, p.pooled_w))
+    r, c, item = rois.shape[0], x.shape[1], np.dtype(y.dtype).itemsize
+    what = f"ROIPooling's bins ({r} ROIs of {p.pooled_h}x{p.pooled_w}, {c} channels)"
     if y.count:  # an empty top sizes no bin
-        r, c, item = rois.shape[0], x.shape[1], np.dtype(y.dtype).itemsize
         # per ROI its bins' bounds (int64, with float edges); per bin its running maximum,
         # argmax and the values compared, channel vectors of the bottom's dtype
         bins = r * p.pooled_h * p.pooled_w
         L.net.require_scratch(L.location, 48 * r * (p.pooled_h + p.pooled_w + 2)
-                              + bins * (32 + c * (7 * item + 8)),
-                              f"ROIPooling's bins ({r} ROIs of {p.pooled_h}x{p.pooled_w}, "
-                              f"{c} channels)")
+                              + bins * (32 + c * (7 * item + 8)), what)
     argmax = L.scratch("argmax", y.shape, "int32")  # Caffe's max_idx_
     L.forward(roi.roi_pool_forward, [x, rois], [y, argmax], **k)
     L.no_force_backward.add(1)
 
     def backward():
         if L.needs_diff(0):
+            # beside the gradients: per ROI and channel its plane's offset, per top value
+            # whether it has a source, its int64 index and its gradient
+            if y.count:
+                L.net.require_scratch(L.location, 8 * r * c + y.count * (17 + item),
+                                      what + " (backward)")
             L.backward(roi.roi_pool_backward, [rois, argmax, L.top_diff(0)],
                        [L.bottom_diff(0)], layer=L.param.name)
         L.zero_diff((1,), f"{L.type}NoGradient")
@@ -84,18 +88,21 @@ def psroi_pooling(L: LayerBuild):
     k = dict(output_dim=dim, group_size=group, spatial_scale=p.spatial_scale,
              layer=L.param.name)
     y = L.top(0, (rois.shape[0], dim, group, group))
+    n, c, h, w = x.shape
+    # the float64 summed-area (difference) table and its two prefix sums, and per output
+    # value its int64 plane, corner indices and float64 sums
+    scratch = 24 * n * c * (h + 1) * (w + 1) + 64 * y.count
+    what = (f"PSROIPooling's summed-area table of bottom '{x.name}' {x.shape} and its "
+            f"{y.count} bins")
     if y.count and x.count:  # else no table is built
-        n, c, h, w = x.shape
-        # the float64 summed-area (difference) table and its two prefix sums, and per
-        # output value its int64 plane, corner indices and float64 sums
-        L.net.require_scratch(L.location, 24 * n * c * (h + 1) * (w + 1) + 64 * y.count,
-                              f"PSROIPooling's summed-area table of bottom '{x.name}' "
-                              f"{x.shape} and its {y.count} bins")
+        L.net.require_scratch(L.location, scratch, what)
     L.forward(roi.psroi_pool_forward, [x, rois], [y], **k)
     L.no_force_backward.add(1)
 
     def backward():
         if L.needs_diff(0):
+            if y.count and x.count:  # the difference table's, beside the gradients
+                L.net.require_scratch(L.location, scratch, what + " (backward)")
             L.backward(roi.psroi_pool_backward, [rois, L.top_diff(0)], [L.bottom_diff(0)],
                        **k)
         L.zero_diff((1,), f"{L.type}NoGradient")

@@ -38,16 +38,21 @@ def normalize(L: LayerBuild):
     x_saved = L.saved(0)  # a copy only when in place: backward reads the bottom
     y = L.top(0, x.shape)
     spatial = math.prod(x.shape[2:])
-    # The kernels' temporaries: x / norm and the scaled gradient (two bottoms' worth) and
-    # a per-channel scale's gradient of C values.
     item = np.dtype(L.net.dtype).itemsize
-    L.net.require_scratch(L.location, (2 * x.count + (0 if p.channel_shared else channels))
-                          * item, f"Normalize's temporaries for bottom '{x.name}' {x.shape}")
+    what = f"Normalize's temporaries for bottom '{x.name}' {x.shape}"
+    # The forward's temporaries: the squares summed per position and that sum plus eps.
+    L.net.require_scratch(L.location, 2 * x.shape[0] * spatial * item, what)
     norm = L.scratch("norm", (x.shape[0], 1 if p.across_spatial else spatial))
     dims = dict(channels=channels, across_spatial=p.across_spatial)
     L.forward(det.normalize_forward, [x, s], [y, norm], eps=p.eps, **dims)
 
     def backward():
+        # The backward's, beside the gradients: x / norm and the scaled gradient (two
+        # bottoms' worth), their products summed per position, and a per-channel scale's
+        # gradient of C values.
+        L.net.require_scratch(L.location, (2 * x.count + x.shape[0] * spatial
+                                           + (0 if p.channel_shared else channels)) * item,
+                              what + " (backward)")
         dy = L.top_diff(0)
         if L.needs_param_diff(0):
             L.backward(det.normalize_backward_scale, [x_saved, norm, dy], [L.param_diff(0)],
