@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import importlib.metadata
 import os
+import platform
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -609,6 +610,15 @@ def get() -> Dnnl | None:
 def _start() -> Dnnl | None:
     path = find_library()
     if path is None:
+        from purine.log import get_logger
+
+        if platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64"):
+            why = ("oneDNN is not installed (pip install onednn-cpu-gomp==2023.2.0, a "
+                   "dependency of purine-caffe here)")
+        else:
+            why = (f"no oneDNN CPU wheel exists for {platform.system()} "
+                   f"{platform.machine()} (Linux x86-64 only)")
+        get_logger().warning("%s: convolutions run on numpy, about 1.3-2x slower", why)
         return None
     # OpenMP workers that spin after a parallel region take the cores OpenBLAS's threads
     # need next (2-3x slower nets); libgomp reads this once, when it loads.
