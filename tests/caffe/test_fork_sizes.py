@@ -5,7 +5,6 @@ cannot fit (Interp's matrices, ROIPooling's bins) is refused in one line naming 
 from __future__ import annotations
 
 import contextlib
-import logging
 import resource
 from collections.abc import Iterator
 
@@ -14,19 +13,12 @@ import pytest
 
 from purine.caffe import TRAIN, Net
 from purine.errors import LayerError
-from purine.log import get_logger
 from tests.gradcheck import layer_net
 
 BIG = 2 ** 31 - 1
 
 
-@pytest.fixture(autouse=True)
-def quiet() -> Iterator[None]:
-    log = get_logger()
-    level = log.level
-    log.setLevel(logging.WARNING)
-    yield
-    log.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_log")
 
 
 def run(layer: str, bottoms: dict, dtype: str = "float64", **values: np.ndarray) -> Net:

@@ -5,16 +5,13 @@ sits beside the gradients too, so it is checked there, not only beside the forwa
 
 from __future__ import annotations
 
-import logging
 import tracemalloc
-from collections.abc import Iterator
 
 import pytest
 
 from purine.caffe import TRAIN, Net
 from purine.caffe import net as netmod
 from purine.graph import Location
-from purine.log import get_logger
 from tests.gradcheck import layer_net
 
 OVERHEAD = 256 << 10
@@ -24,13 +21,7 @@ tens of KiB here. The cases that failed before the fix fell short by 0.6 MiB or 
 beyond it."""
 
 
-@pytest.fixture(autouse=True)
-def quiet() -> Iterator[None]:
-    log = get_logger()
-    level = log.level
-    log.setLevel(logging.WARNING)
-    yield
-    log.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_log")
 
 
 def _interp(x: list[int], rule: str) -> tuple[dict, str]:

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 
 from purine.datasets.mnist import load_mnist_5k, write_mnist_list
-from purine.zoo import model_file
 from tests.gpu.common import requires_gpu
+from tests.test_alexnet_pipeline import alexnet_files
 
 ITERS = 6
 
@@ -35,22 +35,7 @@ def test_alexnet_trains_on_the_gpu_as_on_the_cpu(tmp_path):
     cli("convert_imageset", "--resize_height=256", "--resize_width=256", "--shuffle",
         f"{tmp_path / 'images'}/", str(listfile), str(db))
     cli("compute_image_mean", str(db), str(mean))
-    net = open(model_file("bvlc_alexnet/train_val.prototxt")).read()
-    for old in ("examples/imagenet/ilsvrc12_train_lmdb", "examples/imagenet/ilsvrc12_val_lmdb"):
-        net = net.replace(old, str(db))
-    net = net.replace("data/ilsvrc12/imagenet_mean.binaryproto", str(mean))
-    net = net.replace("batch_size: 256", "batch_size: 32").replace("batch_size: 50",
-                                                                     "batch_size: 32")
-    (tmp_path / "train_val.prototxt").write_text(net)
-    solver = open(model_file("bvlc_alexnet/solver.prototxt")).read()
-    solver = re.sub(r'net: ".*"', f'net: "{tmp_path}/train_val.prototxt"', solver)
-    solver = re.sub(r"max_iter: \d+", f"max_iter: {ITERS}", solver)
-    solver = re.sub(r"display: \d+", "display: 1", solver)
-    solver = re.sub(r"test_iter: \d+", "test_iter: 1", solver)
-    solver = re.sub(r"test_interval: \d+", "test_interval: 1000", solver)
-    solver = re.sub(r'snapshot_prefix: ".*"', f'snapshot_prefix: "{tmp_path}/alexnet"', solver)
-    solver += "snapshot_after_train: false\nrandom_seed: 1\n"
-    (tmp_path / "solver.prototxt").write_text(solver)
+    alexnet_files(tmp_path, db, mean, batch=32, iters=ITERS, test_iter=1, test_interval=1000)
 
     cpu = losses(cli("train", "--solver", str(tmp_path / "solver.prototxt")))
     gpu_log = cli("train", "--solver", str(tmp_path / "solver.prototxt"), "--gpu", "0")
