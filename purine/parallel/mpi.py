@@ -110,7 +110,8 @@ def gather(comm: Any, values: Sequence[int], what: str, patience: float = START_
     """Every rank's ``values`` as rows of int64, row k rank k's: one non-blocking
     all-gather, waited for at most ``patience`` seconds. MPICH tells the survivors nothing
     of a dead rank, so a blocking collective would wait for it forever; this one ends in
-    one line (RankLost)."""
+    one line (RankLost), after which the process must leave without MPI_Finalize (the
+    abandoned request may still write into its buffers)."""
     mine = np.asarray(values, np.int64).ravel()
     table = np.empty((comm.size, mine.size), np.int64)
     try:
@@ -149,11 +150,21 @@ def local_rank(comm: Any) -> int:
 def _node(comm: Any) -> tuple[int, int]:
     """(this rank's index among the ranks on its machine, their number), by machine name,
     in one start-up gather (collective)."""
-    name = _mpi().Get_processor_name().encode()
+    # The machine's name and its kernel's boot id: machines or containers that share a
+    # hostname (a fixed --hostname, "localhost") on other hosts still count apart.
+    name = _mpi().Get_processor_name().encode() + b"\0" + _boot_id()
     key = int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little", signed=True)
     keys = gather(comm, [key], "the count of ranks per machine")[:, 0]
     here = keys == key
     return int(np.count_nonzero(here[:comm.rank])), int(np.count_nonzero(here))
+
+
+def _boot_id() -> bytes:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return f.read().strip()
+    except OSError:  # not Linux: the name alone
+        return b""
 
 
 def share_cores(comm: Any) -> str | None:

@@ -48,7 +48,7 @@ SERVER = 0
 POLL_S = 0.002  # how long a process with nothing to do sleeps before looking again
 
 
-class LinkError(PurineError):
+class LinkError(RankLost):
     """An MPI call of the Downpour link failed (a peer died and the transport says so)."""
 
 
@@ -343,24 +343,30 @@ class MpiParameterServer(ParameterServer):
         for r in sorted(self.live):
             link.send(r + 1, STOP, np.array([float(code)]))
         left, gone = {r + 1 for r in self.live}, set()
-        while left:
-            m = link.next_message()
-            if m is not None:
-                source, tag, msg, count = m
-                link.receive(msg, count, self.heartbeat)  # late gradients are dropped
-                if tag == BYE:
-                    left.discard(source)
-                continue
-            now = time.monotonic()
-            gone |= {k for k in left if now - link.seen[k] > self.heartbeat}
-            left -= gone
-            time.sleep(POLL_S)
-        link.stop_beats()
-        finalize = not gone and len(self.live) == len(self.pushes)
-        for r in sorted(self.live):
-            if r + 1 not in gone:
-                link.send(r + 1, FINALIZE, np.array([float(finalize)]))
-        link.close()
+        try:
+            while left:
+                try:
+                    m = link.next_message()
+                except LinkError:  # the transport reports a dead peer: which, it does not say
+                    gone |= left
+                    break
+                if m is not None:
+                    source, tag, msg, count = m
+                    link.receive(msg, count, self.heartbeat)  # late gradients are dropped
+                    if tag == BYE:
+                        left.discard(source)
+                    continue
+                now = time.monotonic()
+                gone |= {k for k in left if now - link.seen[k] > self.heartbeat}
+                left -= gone
+                time.sleep(POLL_S)
+            link.stop_beats()
+            finalize = not gone and len(self.live) == len(self.pushes)
+            for r in sorted(self.live):
+                if r + 1 not in gone:
+                    link.send(r + 1, FINALIZE, np.array([float(finalize)]))
+        finally:
+            link.close()
         return finalize
 
 
@@ -545,12 +551,22 @@ def train(param: pb.SolverParameter, comm: Any, *, staleness: int, heartbeat: fl
     0, a worker elsewhere. Errors are reported here, on the rank that has them. Returns the
     process's exit code (0: trained, or a worker told so) and whether MPI may be finalized
     (every rank is still there to)."""
-    side: Solver | MpiWorker | None = None
-    sizes: Sizes | None = None
     # Heartbeats from the first moment: a rank still building its net (seconds; minutes for
     # a big one) is heard from, and a dead one is known by its silence, not waited for.
     startup = Link(comm, list(range(1, comm.size)) if comm.rank == SERVER else [SERVER],
                    heartbeat / 10)
+    try:
+        return _start_and_run(comm, startup, param, staleness, heartbeat, resume, sigint,
+                              sighup, log, **kwargs)
+    finally:
+        startup.close(linger=0)  # its beats stop on every path out (closed already if run)
+
+
+def _start_and_run(comm: Any, startup: Link, param: pb.SolverParameter, staleness: int,
+                   heartbeat: float, resume: str | None, sigint: str, sighup: str,
+                   log: logging.Logger | None, **kwargs: Any) -> tuple[int, bool]:
+    side: Solver | MpiWorker | None = None
+    sizes: Sizes | None = None
     try:
         if comm.rank == SERVER:
             server = MpiParameterServer(comm, staleness, heartbeat)
@@ -561,17 +577,19 @@ def train(param: pb.SolverParameter, comm: Any, *, staleness: int, heartbeat: fl
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
             side = MpiWorker(param, comm=comm, heartbeat=heartbeat, log=log, **kwargs)
             sizes = side.sizes
+    except KeyboardInterrupt:  # Ctrl-C while building: a failed build, said in one line
+        _say(comm, "interrupted while building the net")
     except Exception as e:  # noqa: BLE001 -- the handshake tells the other ranks
         _say(comm, str(e) if isinstance(e, PurineError) else traceback.format_exc())
     try:
         _handshake(startup, sizes, heartbeat)
-    except PurineError as e:
-        if side is not None or isinstance(e, RankLost):  # a failed build said why already
-            _say(comm, str(e))
+    except (PurineError, KeyboardInterrupt) as e:
+        lost = not isinstance(e, PurineError) or isinstance(e, RankLost)
+        if side is not None or lost:  # a failed build said why already
+            _say(comm, str(e) if isinstance(e, PurineError) else "interrupted while starting")
         if side is not None:
             side.close()
-        startup.close()
-        return 1, not isinstance(e, RankLost)
+        return 1, not lost  # an interrupted rank may have left the others mid-handshake
     startup.close()
     if isinstance(side, MpiWorker):
         with side.solver:
