@@ -636,6 +636,10 @@ def test_ssd_head_matches_opencv(tmp_path):
     (prior_net("aspect_ratio: 2"), "min_size is required"),
     (prior_net("min_size: 4 variance: 0.1 variance: 0.2"), "1 or 4 values"),
     (prior_net("min_size: 4 max_size: 3"), "greater than its min_size"),
+    # a long fuzz run's find: flip divided by it (ZeroDivisionError)
+    (prior_net("min_size: 4 aspect_ratio: 0 flip: true"),
+     r"aspect_ratio must be positive and finite, got 0\.0"),
+    (prior_net("min_size: 4 aspect_ratio: inf"), "aspect_ratio must be positive and finite"),
     (prior_net("min_size: 4 step: 2 step_h: 3 step_w: 3"), "either step or step_h"),
     (inputs_text({"feat": (1, 2, 3, 3)}) + 'layer { name: "pb" type: "PriorBox" '
      'bottom: "feat" top: "pb" prior_box_param { min_size: 4 } }', "needs the image"),
