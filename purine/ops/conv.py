@@ -15,8 +15,6 @@ samples and one cuBLAS GEMM per group (see the GPU section below).
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -500,8 +498,7 @@ def conv_backward_weight(*arrays: Array, geom: ConvGeometry) -> None:
         return
     g = geom
     _dnnl = onednn.get()
-    if _dnnl is not None and (_gemm_weight_gradient(_dnnl, pairs, dw, g)
-                              or _dnnl.conv_backward_weight(arrays, g)):
+    if _dnnl is not None and _dnnl.conv_backward_weight(arrays, g):
         return
     m, ng = g.num_output, g.group
     mg = m // ng
@@ -554,40 +551,6 @@ def conv_backward_weight(*arrays: Array, geom: ConvGeometry) -> None:
         dw5[...] = acc.reshape(ng, mg, g.kernel_h, g.kernel_w, -1).transpose(0, 1, 4, 2, 3)
     elif layout == "samples":
         dw5[...] = acc.reshape(ng, -1, g.kernel_h, g.kernel_w, mg).transpose(0, 4, 1, 2, 3)
-
-
-_GEMM_WORKSPACES: OrderedDict[tuple, _Workspace] = OrderedDict()
-GEMM_WORKSPACES_KEPT = 8
-
-
-def _gemm_weight_gradient(dnnl: Any, pairs: list[Array], dw: Array, g: ConvGeometry) -> bool:
-    """The weight gradient as im2col and one oneDNN matmul, (outputs, n*P) @ (n*P, C*kh*kw),
-    where the whole batch's columns fit one workspace chunk; False (``dw`` undefined) to leave
-    it to oneDNN's convolution primitive. Measured on 2 cores: LeNet's conv1 and conv2 took
-    1.2 and 2.9 ms this way against 4.0 and 4.6 ms in the primitive; with the columns in
-    several chunks (CIFAR-10 quick, AlexNet) the primitive was faster. The workspace of a
-    geometry stays for its next call (its pages already faulted in), per thread."""
-    if g.group != 1 or dw.dtype != np.float32 or not dw.flags.c_contiguous:
-        return False
-    key = (threading.get_ident(), g)
-    ws = _GEMM_WORKSPACES.pop(key, None) or _Workspace(np, g, dw.dtype)
-    _GEMM_WORKSPACES[key] = ws
-    while len(_GEMM_WORKSPACES) > GEMM_WORKSPACES_KEPT:
-        _GEMM_WORKSPACES.popitem(last=False)
-    if len(ws.chunks) != 1:
-        return False
-    m, k = g.num_output, g.kernel_dim
-    out = dw.reshape(m, k)
-    for i in range(0, len(pairs), 2):
-        x4, dy4 = _input(pairs[i], g), _output(pairs[i + 1], g)
-        col = ws.to_matrix("col", x4) if g.is_1x1 else ws.im2col(x4)
-        dyt = ws.to_matrix("dy", dy4)
-        target = out if i == 0 else ws.buf("part", (m, k))
-        if not dnnl.matmul(dyt, col, None, target, m, dyt.size // m, k, trans_b=True):
-            return False
-        if i:
-            out += target
-    return True
 
 
 def conv_backward_bias(*arrays: Array, num: int) -> None:

@@ -88,9 +88,6 @@ GEOMETRIES = {
     "dilation 2x3": ConvGeometry(2, 3, 12, 12, 4, 3, 3, dilation_h=2, dilation_w=3),
     "1x1": ConvGeometry(5, 8, 7, 7, 16, 1, 1),
     "3x2 kernel, stride 3x1": ConvGeometry(2, 5, 8, 9, 7, 3, 2, stride_h=3, pad_w=1),
-    # the whole batch's columns in one chunk: the weight gradient is im2col and a matmul
-    "lenet conv1": ConvGeometry(64, 1, 28, 28, 20, 5, 5),
-    "lenet conv2": ConvGeometry(64, 20, 12, 12, 50, 5, 5),
 }
 
 
@@ -127,29 +124,6 @@ def test_kernels_match_numpy(dnnl, monkeypatch, name, bias):
     want = on_numpy(monkeypatch, run_ops, g, a, bias)
     for k in want:
         assert_close(got[k], want[k], 1e-5)
-
-
-@pytest.mark.parametrize("name", ["lenet conv1", "lenet conv2"])
-def test_a_weight_gradient_in_one_chunk_is_im2col_and_one_matmul(dnnl, monkeypatch, name):
-    g = GEOMETRIES[name]
-    a = conv_arrays(g)
-    monkeypatch.setattr(dnnl, "conv_backward_weight", lambda *args: pytest.fail(
-        "the convolution primitive ran"))
-    dw, dw2 = np.empty_like(a["w"]), np.empty_like(a["w"])
-    before = dnnl.calls
-    conv.conv_backward_weight(a["x"], a["dy"], dw, geom=g)
-    conv.conv_backward_weight(a["x"], a["dy"], a["x"], 2 * a["dy"], dw2, geom=g)
-    assert dnnl.calls - before == 3  # one matmul per (x, dy) pair
-    # against the definition: dw[o, c, i, j] = sum over n, p, q of dy[n, o, p, q] *
-    # x[n, c, p + i, q + j], in float64
-    x, dy = a["x"].astype(np.float64), a["dy"].astype(np.float64)
-    want = np.empty(a["w"].shape)
-    for i in range(g.kernel_h):
-        for j in range(g.kernel_w):
-            want[:, :, i, j] = np.einsum("nopq,ncpq->oc", dy,
-                                         x[:, :, i:i + g.out_h, j:j + g.out_w])
-    assert_close(dw, want, 1e-5)
-    assert_close(dw2, 3 * want, 1e-5)
 
 
 def test_float64_stays_on_numpy(dnnl, monkeypatch):
@@ -553,18 +527,10 @@ def warnings_logged() -> Iterator[list[str]]:
     log.removeHandler(handler)
 
 
-@pytest.mark.parametrize("system, machine, why", [
-    ("Linux", "x86_64", "oneDNN is not installed (pip install onednn-cpu-gomp==2023.2.0, a "
-                        "dependency of purine-caffe here)"),
-    ("Darwin", "arm64", "no oneDNN CPU wheel exists for Darwin arm64 (Linux x86-64 only)")])
-def test_not_installed_is_numpy_after_one_warning(monkeypatch, fresh, turned_on,
-                                                  warnings_logged, system, machine, why):
+def test_not_installed_is_numpy_without_a_word(monkeypatch, fresh, turned_on, warnings_logged):
     monkeypatch.setattr(onednn, "find_library", lambda: None)
-    monkeypatch.setattr(onednn.platform, "system", lambda: system)
-    monkeypatch.setattr(onednn.platform, "machine", lambda: machine)
     assert onednn.get() is None
-    assert onednn.get() is None
-    assert warnings_logged == [f"{why}: convolutions run on numpy, about 1.3-2x slower"]
+    assert warnings_logged == []
 
 
 def test_a_broken_library_warns_once_and_falls_back(monkeypatch, fresh, turned_on,
