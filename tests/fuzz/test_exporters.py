@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
 from purine.caffe import TEST, Net
 from purine.errors import PurineError
@@ -132,7 +133,11 @@ def _run(model: object, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return dict(zip(names, sess.run(None, feeds), strict=True))
 
 
-def _agrees(name: str, got: np.ndarray, want: np.ndarray) -> None:
+def _agrees(name: str, got: np.ndarray, want: np.ndarray, own_error: float = 0.0) -> None:
+    """``got`` (onnxruntime's) equals ``want`` (our float32 forward) up to TOL of its
+    magnitude, or up to 4x ``own_error``: how far our float32 forward is from the same net
+    in float64, where a net amplifies rounding (an LRN whose base nears 0) and two float32
+    computations of it may differ by that much without either being wrong."""
     assert got.shape == want.shape, f"{name}: shape {got.shape}, the net's {want.shape}"
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan), f"{name}: NaN where the net has none, or not"
@@ -140,7 +145,21 @@ def _agrees(name: str, got: np.ndarray, want: np.ndarray) -> None:
     assert np.array_equal(got[~finite & ~nan], want[~finite & ~nan]), f"{name}: infinities"
     scale = max(1.0, float(np.abs(want[finite]).max(initial=0.0)))
     err = float(np.abs(got[finite] - want[finite]).max(initial=0.0))
-    assert err <= TOL * scale, f"{name}: max error {err} of magnitude {scale}"
+    assert err <= max(TOL * scale, 4 * own_error), (
+        f"{name}: max error {err} of magnitude {scale} (our float32's own error {own_error})")
+
+
+def _own_errors(text: str, net: Net, x: np.ndarray, want: dict) -> dict[str, float]:
+    """Each output's largest distance between our float32 forward and the same net, with the
+    same parameters and input, in float64."""
+    with Net(text, phase=TEST, dtype="float64") as twin:
+        for name, views in net.params.items():
+            for v, w in zip(views, twin.params[name], strict=True):
+                w.data[...] = v.data
+        with np.errstate(all="ignore"):
+            exact = twin.forward(data=x.astype(np.float64))
+    return {n: float(np.nan_to_num(np.abs(np.asarray(want[n], np.float64) - exact[n]),
+                                   nan=0.0, posinf=0.0).max(initial=0.0)) for n in want}
 
 
 def export_and_compare(text: str, seed: int, shape: tuple[int, ...]) -> None:
@@ -159,10 +178,18 @@ def export_and_compare(text: str, seed: int, shape: tuple[int, ...]) -> None:
         finite = all(np.isfinite(net.blobs[n].data).all() for n in inside)
         if not finite:
             event("non-finite inside the net: shapes compared")
-        for name, value in want.items():
-            if finite:
-                _agrees(name, got[name], np.asarray(value))
-            else:
+        if finite:
+            try:
+                for name, value in want.items():
+                    _agrees(name, got[name], np.asarray(value))
+            except AssertionError:  # within what float32 itself loses on this net?
+                own = _own_errors(text, net, x, want)
+                for name, value in want.items():
+                    _agrees(name, got[name], np.asarray(value), own[name])
+                if currently_in_test_context():  # a hypothesis case, not a regression
+                    event("ill-conditioned: within our float32's own error")
+        else:
+            for name, value in want.items():
                 assert got[name].shape == np.shape(value), name
 
 
@@ -191,6 +218,23 @@ def test_lrn_alpha_or_beta_not_positive_loads(alpha: float, beta: float) -> None
     window = sq + np.pad(sq, ((0, 0), (1, 0), (0, 0), (0, 0)))[:, :3] \
         + np.pad(sq, ((0, 0), (0, 1), (0, 0), (0, 0)))[:, 1:]
     np.testing.assert_allclose(got, x * (2 + alpha / 3 * window) ** -beta, rtol=1e-5)
+
+
+def test_an_ill_conditioned_net_is_held_to_float32s_own_error() -> None:
+    """A long run's find: an LRN with k 0 and alpha -1 (its base nears 0) made onnxruntime
+    and our float32 forward differ by 1.6e-4 of the output's magnitude, past TOL; both were
+    that far from the float64 forward, so neither is wrong."""
+    text = ('layer { name: "data" type: "Input" top: "data" input_param { shape { dim: 2 '
+            'dim: 3 dim: 3 dim: 4 } } }\n'
+            'layer { name: "l0" bottom: "data" top: "t0" type: "Scale" scale_param { '
+            'bias_term: true } }\n'
+            'layer { name: "l1" bottom: "t0" top: "t1" type: "LRN" lrn_param { local_size: 5 '
+            'alpha: -1.0 beta: 1.0 k: 0.0 norm_region: WITHIN_CHANNEL } }\n'
+            'layer { name: "ip" type: "InnerProduct" bottom: "t1" top: "ip" '
+            'inner_product_param { num_output: 1 } }')
+    export_and_compare(text, 390, (2, 3, 3, 4))
+    with pytest.raises(AssertionError, match="our float32's own error 0.0"):
+        _agrees("y", np.ones(3, np.float32) * 1.001, np.ones(3, np.float32), 0.0)
 
 
 def test_export_refusal_is_one_line() -> None:
