@@ -9,6 +9,7 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -88,37 +89,52 @@ def _parent(path: str) -> str:
     return path.rpartition("/")[0] or "/"
 
 
-def _remove(draw: Draw, f: h5py.File, pool: list[str]) -> None:
-    del f[draw(st.sampled_from(pool))]
+PICKS = 8  # the most choices one mutation makes
 
 
-def _rename(draw: Draw, f: h5py.File, pool: list[str]) -> None:
-    src = draw(st.sampled_from(pool))
-    f.move(src, f"{_parent(src)}/{draw(st.sampled_from(NAMES))}")
+class Pick:
+    """One mutation's choices, drawn beforehand: ``pick(options)`` takes the next number
+    modulo the options' count, so a pool that the file's state shapes changes which option
+    a number names, never what hypothesis draws."""
+
+    def __init__(self, numbers: list[int]):
+        self.numbers, self.used = numbers, 0
+
+    def __call__(self, options: tuple | list) -> Any:
+        n = self.numbers[self.used % len(self.numbers)]
+        self.used += 1
+        return options[n % len(options)]
 
 
-def _hard_link(draw: Draw, f: h5py.File, pool: list[str]) -> None:
+def _remove(pick: Pick, f: h5py.File, pool: list[str]) -> None:
+    del f[pick(pool)]
+
+
+def _rename(pick: Pick, f: h5py.File, pool: list[str]) -> None:
+    src = pick(pool)
+    f.move(src, f"{_parent(src)}/{pick(NAMES)}")
+
+
+def _hard_link(pick: Pick, f: h5py.File, pool: list[str]) -> None:
     """One object under a second name (a group linked into itself makes a cycle)."""
-    src, dst = draw(st.sampled_from(pool)), draw(st.sampled_from(pool))
+    src, dst = pick(pool), pick(pool)
     target = f[dst] if isinstance(f[dst], h5py.Group) else f[_parent(dst)]
-    target[draw(st.sampled_from(NAMES))] = f[src]
+    target[pick(NAMES)] = f[src]
 
 
-def _soft_link(draw: Draw, f: h5py.File, pool: list[str]) -> None:
+def _soft_link(pick: Pick, f: h5py.File, pool: list[str]) -> None:
     """A dataset or group replaced by a soft link: to itself, to another object, to a
     link that leads back, or to nothing."""
-    at = draw(st.sampled_from(pool))
-    to = draw(st.sampled_from(["/" + at, "/nowhere", "/" + at + "/x"] +
-                              ["/" + p for p in pool]))
+    at = pick(pool)
+    to = pick(["/" + at, "/nowhere", "/" + at + "/x"] + ["/" + p for p in pool])
     del f[at]
     f[at] = h5py.SoftLink(to)
 
 
-def _external_link(draw: Draw, f: h5py.File, pool: list[str]) -> None:
-    at = draw(st.sampled_from(pool))
-    target = draw(st.sampled_from([(str(OTHER), "/w"), (str(OTHER), "/g"),
-                                   (str(OTHER), "/nope"), ("/nonexistent/x.h5", "/w"),
-                                   ("{self}", "/" + at)]))  # the file itself: a loop
+def _external_link(pick: Pick, f: h5py.File, pool: list[str]) -> None:
+    at = pick(pool)
+    target = pick([(str(OTHER), "/w"), (str(OTHER), "/g"), (str(OTHER), "/nope"),
+                   ("/nonexistent/x.h5", "/w"), ("{self}", "/" + at)])  # itself: a loop
     del f[at]
     f[at] = h5py.ExternalLink(target[0].replace("{self}", f.attrs["case"]), target[1])
 
@@ -127,51 +143,51 @@ def _datasets(f: h5py.File, pool: list[str]) -> list[str]:
     return [p for p in pool if isinstance(f.get(p), h5py.Dataset)] or pool
 
 
-def _retype(draw: Draw, f: h5py.File, pool: list[str]) -> None:
+def _retype(pick: Pick, f: h5py.File, pool: list[str]) -> None:
     """A dataset of the same shape in another type (written where h5py can convert)."""
-    at = draw(st.sampled_from(_datasets(f, pool)))
+    at = pick(_datasets(f, pool))
     old = f[at]
     if not isinstance(old, h5py.Dataset):  # no dataset left to retype
         return
     shape = old.shape
     # An earlier _huge may have declared gigabytes: those are retyped empty.
     values = old[()] if shape is not None and old.size <= 4096 else None
-    dtype = _dtype(draw(st.sampled_from(DTYPES)))
+    dtype = _dtype(pick(DTYPES))
     del f[at]
     ds = f.create_dataset(at, shape=shape, dtype=dtype)
     if dtype.kind in "iufb" and dtype.names is None and values is not None:
         ds[()] = np.asarray(values).astype(dtype)
 
 
-def _huge(draw: Draw, f: h5py.File, pool: list[str]) -> None:
+def _huge(pick: Pick, f: h5py.File, pool: list[str]) -> None:
     """A chunked dataset of a huge declared shape, never written or with one chunk written,
     compressed or not; or a small one of another shape."""
-    at = draw(st.sampled_from(_datasets(f, pool)))
-    n = draw(st.sampled_from(HUGE + (0, 1, 7, 12)))
-    shape = draw(st.sampled_from([(n,), (n, 3), (1, n), (2, 3, 3, 3)]))
+    at = pick(_datasets(f, pool))
+    n = pick(HUGE + (0, 1, 7, 12))
+    shape = pick([(n,), (n, 3), (1, n), (2, 3, 3, 3)])
     chunks = tuple(max(1, min(d, 1024)) for d in shape)
     del f[at]
     ds = f.create_dataset(at, shape=shape, dtype="<f4", chunks=chunks,
-                          compression=draw(st.sampled_from((None, "gzip"))))
-    if draw(st.booleans()) and 0 not in shape:
+                          compression=pick((None, "gzip")))
+    if pick((False, True)) and 0 not in shape:
         ds[tuple(slice(0, c) for c in chunks)] = 1.0  # one chunk written: the rest are sparse
 
 
-def _attribute(draw: Draw, f: h5py.File, pool: list[str]) -> None:
-    obj = f[draw(st.sampled_from(pool))]
-    obj.attrs[draw(st.sampled_from(NAMES))] = draw(st.sampled_from(
-        (np.zeros(3), "text", np.bytes_(b"\xff"), 2**40)))
+def _attribute(pick: Pick, f: h5py.File, pool: list[str]) -> None:
+    obj = f[pick(pool)]
+    obj.attrs[pick(NAMES)] = pick(
+        (np.zeros(3), "text", np.bytes_(b"\xff"), 2**40))
 
 
-def _group(draw: Draw, f: h5py.File, pool: list[str]) -> None:
+def _group(pick: Pick, f: h5py.File, pool: list[str]) -> None:
     """A group where a dataset was, or a new empty group or dataset beside the others."""
-    at = draw(st.sampled_from(pool))
-    name = f"{_parent(at)}/{draw(st.sampled_from(NAMES))}"
-    if draw(st.booleans()):
+    at = pick(pool)
+    name = f"{_parent(at)}/{pick(NAMES)}"
+    if pick((False, True)):
         del f[at]
         f.create_group(at)
     elif name.lstrip("/") not in f:
-        f.create_dataset(name, data=np.zeros(draw(st.sampled_from((0, 1, 3))), "<f4"))
+        f.create_dataset(name, data=np.zeros(pick((0, 1, 3)), "<f4"))
 
 
 OPS = (_remove, _rename, _hard_link, _soft_link, _soft_link, _external_link, _retype, _retype,
@@ -190,12 +206,16 @@ def mutated_file(draw: Draw, kind: str) -> bytes:
     how = draw(st.sampled_from(("structure", "structure", "bytes", "both")))
     if how != "bytes":
         pool = OBJECTS[kind]
+        # Every choice is drawn before the file is touched: what a mutation finds in the
+        # file (links resolved through HDF5's caches) must not change what is drawn, or
+        # hypothesis's replay of a case draws differently and calls the strategy flaky.
+        plans = draw(st.lists(st.tuples(st.sampled_from(OPS), st.lists(
+            st.integers(0, 2**16), min_size=PICKS, max_size=PICKS)), min_size=1, max_size=3))
         with h5py.File(path, "a") as f:
             f.attrs["case"] = str(CASES[kind])  # where the case is read from
-            for _ in range(draw(st.integers(1, 3))):
-                op = draw(st.sampled_from(OPS))
+            for op, numbers in plans:
                 try:
-                    op(draw, f, [p for p in pool if p in f] or pool)
+                    op(Pick(numbers), f, [p for p in pool if p in f] or pool)
                 except BUILD_ERRORS:
                     pass
     data = path.read_bytes()
