@@ -640,6 +640,11 @@ def test_ssd_head_matches_opencv(tmp_path):
     (prior_net("min_size: 4 aspect_ratio: 0 flip: true"),
      r"aspect_ratio must be positive and finite, got 0\.0"),
     (prior_net("min_size: 4 aspect_ratio: inf"), "aspect_ratio must be positive and finite"),
+    # the next long run's find: int(inf) for the fork's integer sizes (OverflowError)
+    (prior_net("min_size: 3 max_size: inf"),
+     r"max_size must be positive and below 2147483648, got inf"),
+    (prior_net("min_size: 3e10"), r"min_size must be positive and below 2147483648"),
+    (prior_net("min_size: 4 step: inf"), r"step must be positive and finite, got inf"),
     (prior_net("min_size: 4 step: 2 step_h: 3 step_w: 3"), "either step or step_h"),
     (inputs_text({"feat": (1, 2, 3, 3)}) + 'layer { name: "pb" type: "PriorBox" '
      'bottom: "feat" top: "pb" prior_box_param { min_size: 4 } }', "needs the image"),

@@ -99,10 +99,14 @@ def permute(L: LayerBuild):
     return backward
 
 
-def _positive(L: LayerBuild, name: str, value: float) -> float:
-    if not value > 0:
-        raise L.error(f"prior_box_param.{name} must be positive, got {value}")
+def _positive(L: LayerBuild, name: str, value: float, bound: float = math.inf) -> float:
+    if not 0 < value < bound:
+        more = "finite" if bound == math.inf else f"below {bound:.0f}"
+        raise L.error(f"prior_box_param.{name} must be positive and {more}, got {value}")
     return value
+
+
+INT_SIZE = 2.0 ** 31  # the fork reads min_size and max_size into an int
 
 
 @register("PriorBox", fork=SSD, export="prior_box")
@@ -113,11 +117,13 @@ def prior_box(L: LayerBuild):
     if not p.min_size:
         raise L.error("prior_box_param.min_size is required (one or more)")
     for v in p.min_size:
-        _positive(L, "min_size", v)
+        _positive(L, "min_size", v, INT_SIZE)
     if p.max_size:
         if len(p.max_size) != len(p.min_size):
             raise L.error(f"{len(p.max_size)} max_size values for {len(p.min_size)} min_size "
                           "values; give one per min_size, or none")
+        for v in p.max_size:
+            _positive(L, "max_size", v, INT_SIZE)
         for lo, hi in zip(p.min_size, p.max_size, strict=True):
             if not hi > lo:
                 raise L.error(f"max_size {hi} must be greater than its min_size {lo}")
