@@ -96,10 +96,7 @@ def interp_layer(L: LayerBuild):
     L.no_force_backward.add(1)
 
     def backward():
-        if L.needs_diff(0):
-            # The adjoint holds the same matrices and products, now beside the gradients.
-            if n * c:
-                L.net.require_scratch(L.location, scratch, what + " (backward)")
+        if L.needs_diff(0):  # the same matrices and products (checked beside every blob)
             L.backward(interp.interp_backward, [L.top_diff(0)], [L.bottom_diff(0)], crop=crop)
         if len(L.bottoms) == 2:
             L.zero_diff((1,), "InterpZeroDiff")
@@ -246,8 +243,7 @@ def upsample_layer(L: LayerBuild):
     L.no_force_backward.add(1)
 
     def backward():
-        if L.needs_diff(0):  # the same indices, now beside the gradients
-            L.net.require_scratch(L.location, scratch, what + " (backward)")
+        if L.needs_diff(0):  # the same indices (checked beside every blob)
             L.backward(interp.upsample_backward, [L.top_diff(0), mask], [L.bottom_diff(0)])
         L.zero_diff((1,), "UpsampleZeroDiff")
     return backward

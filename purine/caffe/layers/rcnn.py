@@ -100,9 +100,7 @@ def psroi_pooling(L: LayerBuild):
     L.no_force_backward.add(1)
 
     def backward():
-        if L.needs_diff(0):
-            if y.count and x.count:  # the difference table's, beside the gradients
-                L.net.require_scratch(L.location, scratch, what + " (backward)")
+        if L.needs_diff(0):  # the difference table: the same bytes (checked beside every blob)
             L.backward(roi.psroi_pool_backward, [rois, L.top_diff(0)], [L.bottom_diff(0)],
                        **k)
         L.zero_diff((1,), f"{L.type}NoGradient")

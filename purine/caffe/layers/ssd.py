@@ -128,8 +128,7 @@ def prior_box(L: LayerBuild):
             if not hi > lo:
                 raise L.error(f"max_size {hi} must be greater than its min_size {lo}")
     for v in p.aspect_ratio:  # flip divides by it; width and height take its square root
-        if not 0 < v < math.inf:
-            raise L.error(f"prior_box_param.aspect_ratio must be positive and finite, got {v}")
+        _positive(L, "aspect_ratio", v)
     if len(p.variance) not in (0, 1, 4):
         raise L.error(f"prior_box_param.variance takes 1 or 4 values, got {len(p.variance)}")
     for v in p.variance:
