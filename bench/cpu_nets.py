@@ -410,8 +410,7 @@ def worker_env() -> dict[str, str]:
 
 def purine_convolutions() -> str:
     """What runs purine's float32 CPU convolutions in a worker ("oneDNN 3.2.0 (OpenMP)" or
-    "numpy"), asked in a fresh process: loading oneDNN here would set OMP_WAIT_POLICY for
-    the torch workers too."""
+    "numpy"), asked in a fresh process, so that this one loads no kernel library."""
     out = subprocess.run([sys.executable, "-c", "from purine.backend import onednn; "
                           "print(onednn.describe())"], capture_output=True, text=True,
                          env=worker_env())
@@ -453,10 +452,6 @@ def main() -> None:
         print(json.dumps(run(net, args.iterations)))
         return
     if args.layers:
-        # Both sides under the OpenMP wait policy purine sets when it loads oneDNN: spinning
-        # idle threads cost either side far more than their wake-up when other work shares
-        # the cores.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         flags = ["--iterations", str(args.iterations), "--layers", args.layers]
         print_layers(args.layers, *in_workers(__file__, args.layers, flags))
         return

@@ -7,8 +7,9 @@ into ``SETTINGS``; ``use`` changes it), they run on numpy. While a pass runs wit
 user's own numpy has its threads.
 
 Each convolution geometry gets its primitives once (descriptor creation costs milliseconds)
-on oneDNN's own blocked layouts; a call reorders its NCHW/OIHW operands into them and the
-result back. The blocked copies live in one scratch buffer shared by all primitives, each
+on oneDNN's own blocked layouts, or with NHWC activations where the blocks would pad the
+channels by much (``PADDING_FOR_NHWC``); a call reorders its NCHW/OIHW operands into them
+and the result back. The blocked copies live in one scratch buffer shared by all primitives, each
 call's copies side by side in it, so the extra memory is the largest one call needs (the
 blocked operands of one convolution), not a sum over layers or over operand positions.
 Pooling runs on plain NCHW, where its workspace holds each maximum's kernel offset, from
@@ -41,7 +42,7 @@ LIBRARY = "libdnnl.so.3"
 
 # Enum values and argument indices of oneDNN 3.x's dnnl_types.h.
 _CPU, _F32 = 1, 3
-_TAG_ANY, _TAG_A, _TAG_ABCD, _TAG_ABCDE = 1, 2, 5, 6
+_TAG_ANY, _TAG_A, _TAG_ABCD, _TAG_ABCDE, _TAG_NHWC = 1, 2, 5, 6, 22  # NHWC: dnnl_acdb
 _FORWARD_TRAINING, _CONV_DIRECT, _POOLING_MAX = 64, 1, 0x1ff
 _Q_SRC, _Q_DIFF_SRC, _Q_WEIGHTS, _Q_DIFF_WEIGHTS, _Q_DST, _Q_DIFF_DST, _Q_WORKSPACE = range(
     129, 136)
@@ -56,6 +57,11 @@ _MASK_TYPES = (np.float32, np.float64, np.int32, np.int64)  # what a MAX pooling
 # team costs more than a second core saves (LeNet's ip2, 64x500x10: 0.007 ms on one OpenBLAS
 # thread, 0.03 ms through oneDNN; its ip1, 64x800x500: 0.65 against 0.32 ms).
 MATMUL_MIN_MACS = 1 << 22
+# A convolution whose blocked activations (input times output) would be this much larger
+# than the plain ones runs on NHWC instead: on 2 AVX-512 cores LeNet's conv2 (20 -> 50
+# channels) took 0.72x the blocked time forward and backward, 24 -> 40 channels 0.82x and
+# 48 -> 100 0.97x, where channel counts of multiples of 16 took 1.07-1.18x on NHWC.
+PADDING_FOR_NHWC = 1.1
 
 _P = ctypes.c_void_p
 _PP = ctypes.POINTER(ctypes.c_void_p)
@@ -227,6 +233,7 @@ class Dnnl:
         self._scratch = np.empty(0, np.uint8)
         self._prims: dict[tuple[Any, ...], _Primitive | None] = {}
         self._hints: dict[Any, ctypes.c_void_p] = {}
+        self._tags: dict[Any, int] = {}  # the activations' layout per geometry
         self._pools: dict[Any, _MaxPool | None] = {}
 
     def __str__(self) -> str:
@@ -295,51 +302,79 @@ class Dnnl:
         return (_dims(g.stride_h, g.stride_w), _dims(g.dilation_h - 1, g.dilation_w - 1),
                 _dims(g.pad_h, g.pad_w), _dims(*right))
 
-    def _any(self, g: Any) -> tuple[ctypes.c_void_p, ...]:
-        return tuple(self.md(s, _TAG_ANY) for s in self._shapes(g))
-
     def _plain(self, g: Any) -> tuple[ctypes.c_void_p, ...]:
         x, w, y = self._shapes(g)
         w_tag = _TAG_ABCD if g.group == 1 else _TAG_ABCDE
         return self.md(x, _TAG_ABCD), self.md(w, w_tag), self.md(y, _TAG_ABCD)
 
-    def _forward_pd(self, g: Any, bias: bool) -> ctypes.c_void_p:
-        x, w, y = self._any(g)
-        b = self.md((g.num_output,), _TAG_A) if bias else None
-        pd = ctypes.c_void_p()
-        self.call("dnnl_convolution_forward_primitive_desc_create", ctypes.byref(pd),
-                  self.engine, _FORWARD_TRAINING, _CONV_DIRECT, x, w, b, y,
-                  *self._geometry_args(g), None)
-        return pd
+    def _activation_tag(self, g: Any) -> int:
+        """NHWC for the activations of ``g`` when the blocked layouts oneDNN picks would pad
+        them by more than ``PADDING_FOR_NHWC`` (channel counts that are not a multiple of its
+        16-float block on AVX-512: LeNet's 20 and 50 become 32 and 64) and its NHWC
+        kernels are not reference loops; else oneDNN's own choice. Once per geometry."""
+        if g not in self._tags:
+            x, _, y = self._plain(g)
+            blocked = self._pd("fwd", g, _TAG_ANY)
+            padded = 1.0
+            for query, plain in ((_Q_SRC, x), (_Q_DST, y)):
+                want = self.lib.dnnl_primitive_desc_query_md(blocked, query, 0)
+                padded *= (self.lib.dnnl_memory_desc_get_size(want)
+                           / self.lib.dnnl_memory_desc_get_size(plain))
+            tag = _TAG_ANY
+            if padded > PADDING_FOR_NHWC:
+                try:
+                    if not any(self._impl(self._pd(op, g, _TAG_NHWC)).startswith("ref")
+                               for op in ("fwd", "bwd_data", "bwd_w")):
+                        tag = _TAG_NHWC
+                except PurineError:
+                    pass
+            self._tags[g] = tag
+        return self._tags[g]
 
-    def _hint(self, g: Any) -> ctypes.c_void_p:
-        """The forward descriptor (without bias) that the backward descriptors need."""
-        if g not in self._hints:
-            self._hints[g] = self._forward_pd(g, False)
-        return self._hints[g]
+    def _impl(self, pd: ctypes.c_void_p) -> str:
+        """The implementation's name: "brgconv:avx512_core", "jit:avx2", "ref:any"."""
+        impl = ctypes.c_char_p()
+        self.call("dnnl_primitive_desc_query", pd, _Q_IMPL_INFO_STR, 0, ctypes.byref(impl))
+        return (impl.value or b"").decode()
+
+    def _pd(self, op: str, g: Any, tag: int) -> ctypes.c_void_p:
+        """The descriptor of ``op`` ("fwd", "fwd_bias", "bwd_data", "bwd_w") for ``g`` with
+        activations of layout ``tag`` and the weight's left to oneDNN. The bias gradient is
+        not in "bwd_w": it stays purine's own op (a layer may not want it)."""
+        x, w, y = (self.md(s, t) for s, t in zip(self._shapes(g), (tag, _TAG_ANY, tag)))
+        pd = ctypes.c_void_p()
+        if op in ("fwd", "fwd_bias"):
+            b = self.md((g.num_output,), _TAG_A) if op == "fwd_bias" else None
+            self.call("dnnl_convolution_forward_primitive_desc_create", ctypes.byref(pd),
+                      self.engine, _FORWARD_TRAINING, _CONV_DIRECT, x, w, b, y,
+                      *self._geometry_args(g), None)
+            return pd
+        # The backward descriptors need the forward one (without bias) as a hint.
+        if (g, tag) not in self._hints:
+            self._hints[g, tag] = self._pd("fwd", g, tag)
+        hint = self._hints[g, tag]
+        if op == "bwd_data":
+            self.call("dnnl_convolution_backward_data_primitive_desc_create", ctypes.byref(pd),
+                      self.engine, _CONV_DIRECT, x, w, y, *self._geometry_args(g), hint, None)
+        else:
+            self.call("dnnl_convolution_backward_weights_primitive_desc_create",
+                      ctypes.byref(pd), self.engine, _CONV_DIRECT, x, w, None, y,
+                      *self._geometry_args(g), hint, None)
+        return pd
 
     def _make(self, op: str, g: Any) -> _Primitive:
         x, w, y = self._plain(g)
+        pd = self._pd(op, g, self._activation_tag(g))
         if op in ("fwd", "fwd_bias"):
-            bias = op == "fwd_bias"
             operands = [(_ARG_SRC, _Q_SRC, x, True), (_ARG_WEIGHTS, _Q_WEIGHTS, w, True),
                         (_ARG_DST, _Q_DST, y, False)]
-            if bias:  # always plain (x): no reorder
+            if op == "fwd_bias":  # always plain (x): no reorder
                 operands.insert(2, (_ARG_BIAS, None, self.md((g.num_output,), _TAG_A), True))
-            return _Primitive(self, self._forward_pd(g, bias), operands)
-        pd = ctypes.c_void_p()
-        ax, aw, ay = self._any(g)
+            return _Primitive(self, pd, operands)
         if op == "bwd_data":
-            self.call("dnnl_convolution_backward_data_primitive_desc_create", ctypes.byref(pd),
-                      self.engine, _CONV_DIRECT, ax, aw, ay, *self._geometry_args(g),
-                      self._hint(g), None)
             return _Primitive(self, pd, [(_ARG_DIFF_DST, _Q_DIFF_DST, y, True),
                                          (_ARG_WEIGHTS, _Q_WEIGHTS, w, True),
                                          (_ARG_DIFF_SRC, _Q_DIFF_SRC, x, False)])
-        # The bias gradient stays purine's own op (a layer may not want it).
-        self.call("dnnl_convolution_backward_weights_primitive_desc_create", ctypes.byref(pd),
-                  self.engine, _CONV_DIRECT, ax, aw, None, ay, *self._geometry_args(g),
-                  self._hint(g), None)
         return _Primitive(self, pd, [(_ARG_SRC, _Q_SRC, x, True),
                                      (_ARG_DIFF_DST, _Q_DIFF_DST, y, True),
                                      (_ARG_DIFF_WEIGHTS, _Q_DIFF_WEIGHTS, w, False)])
@@ -428,9 +463,7 @@ class Dnnl:
                   bias_md, c, None)
         # oneDNN's reference loops are far slower than numpy's BLAS (a transposed destination
         # took 4 s for AlexNet's fc6 weight gradient); numpy keeps such a product.
-        impl = ctypes.c_char_p()
-        self.call("dnnl_primitive_desc_query", pd, _Q_IMPL_INFO_STR, 0, ctypes.byref(impl))
-        if (impl.value or b"").startswith(b"ref"):
+        if self._impl(pd).startswith("ref"):
             raise PurineError(f"oneDNN: only a reference matmul for {m}x{k}x{n}")
         operands = [(_ARG_SRC, None, a, True), (_ARG_WEIGHTS, None, b, True),
                     (_ARG_DST, None, c, False)]
@@ -620,9 +653,11 @@ def _start() -> Dnnl | None:
                    f"{platform.machine()} (Linux x86-64 only)")
         get_logger().warning("%s: convolutions run on numpy, about 1.3-2x slower", why)
         return None
-    # OpenMP workers that spin after a parallel region take the cores OpenBLAS's threads
-    # need next (2-3x slower nets); libgomp reads this once, when it loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # No OMP_WAIT_POLICY of ours: libgomp's default, a bounded spin after each parallel
+    # region, keeps its team awake across the gaps between one op's primitives and the
+    # next op's. PASSIVE (sleep at once) paid a wake-up per primitive: LeNet's training loop
+    # ran 3,000-4,000 img/s with it against 4,500-5,000 without on 2 cores. It once kept the
+    # team off the cores of OpenBLAS's threads; OpenBLAS now runs one thread while passes run.
     try:
         dnnl = Dnnl(path)
     except (OSError, AttributeError, PurineError) as e:

@@ -82,6 +82,8 @@ def assert_close(got: np.ndarray, want: np.ndarray, rel: float) -> None:
 
 GEOMETRIES = {
     "cifar10_quick conv2": ConvGeometry(100, 32, 16, 16, 32, 5, 5, pad_h=2, pad_w=2),
+    # 20 -> 50 channels: on NHWC, where oneDNN's blocks would pad them to 32 and 64
+    "lenet conv2": ConvGeometry(8, 20, 12, 12, 50, 5, 5),
     # Caffe's floored output drops the last row/column: oneDNN's right padding is negative.
     "stride 2 pad 1": ConvGeometry(4, 6, 9, 11, 8, 3, 3, stride_h=2, stride_w=2, pad_h=1),
     "group 2": ConvGeometry(3, 4, 10, 10, 6, 3, 3, pad_h=1, pad_w=1, group=2),
@@ -124,6 +126,17 @@ def test_kernels_match_numpy(dnnl, monkeypatch, name, bias):
     want = on_numpy(monkeypatch, run_ops, g, a, bias)
     for k in want:
         assert_close(got[k], want[k], 1e-5)
+
+
+def test_channels_the_blocks_would_pad_run_on_nhwc(dnnl):
+    """LeNet's conv2 (20 -> 50 channels) would be padded to whole blocks (32 and 64 on
+    AVX-512, 24 and 56 on AVX2): its activations go NHWC, with oneDNN's own kernels, not
+    its reference loops. CIFAR-10 quick's 32 -> 32 fills the blocks and keeps them."""
+    lenet, cifar = GEOMETRIES["lenet conv2"], GEOMETRIES["cifar10_quick conv2"]
+    assert dnnl._activation_tag(lenet) == onednn._TAG_NHWC
+    assert dnnl._activation_tag(cifar) == onednn._TAG_ANY
+    for op in ("fwd", "bwd_data", "bwd_w"):
+        assert not dnnl._impl(dnnl._pd(op, lenet, onednn._TAG_NHWC)).startswith("ref")
 
 
 def test_float64_stays_on_numpy(dnnl, monkeypatch):
