@@ -371,3 +371,23 @@ def test_rule_keywords_come_from_the_solver_fields():
     assert SOLVER_TYPES["Adam"].keywords(p) == {"beta1": 0.5, "beta2": 0.25, "delta": 0.125}
     assert SOLVER_TYPES["RMSProp"].keywords(p) == {"rms_decay": 0.75, "delta": 0.125}
     assert SOLVER_TYPES["SGD"].keywords(p) == {"momentum": 0.5}
+
+
+@pytest.mark.parametrize("kind", list(SOLVERS))
+def test_blocked_updates_give_the_whole_arrays_bits(kind, monkeypatch):
+    """A large parameter is updated in blocks (solver.blockwise): the same float32 bits as
+    the whole-array update, in place and out of place, with a last block shorter than the
+    others and arrays of several dimensions."""
+    from purine.ops import solver
+
+    s, w0, grad_seq = make_problem(kind, "L2", seed=2)
+    whole = {place: run_kernels(kind, s, w0, grad_seq, 3, np.float32, place)
+             for place in (True, False)}
+    monkeypatch.setattr(solver, "BLOCK", 7)
+    monkeypatch.setattr(solver, "BLOCKED_ABOVE", 8)
+    assert max(w.size for w in w0) > 8 and any(w.size % 7 and w.ndim > 1 for w in w0)
+    for place in (True, False):
+        got_w, got_h = run_kernels(kind, s, w0, grad_seq, 3, np.float32, place)
+        want_w, want_h = whole[place]
+        for g, w in zip(got_w + sum(got_h, []), want_w + sum(want_h, []), strict=True):
+            np.testing.assert_array_equal(g, w)
