@@ -2,7 +2,8 @@
 
 Every kernel fills its output in place and tolerates ``y is x`` (in-place forward) and
 ``dx is dy`` (in-place gradients): whatever a kernel still needs from an input is read into a
-temporary before the output is written.
+temporary before the output is written. ReLU's float32 host passes of at least
+``onednn.ELTWISE_MIN`` values run on oneDNN where it is installed, with numpy's bits.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import RandomStream, device_variant, get_array_module
+from purine.backend import RandomStream, device_variant, get_array_module, onednn
 from purine.ops.tensor import elementwise
 
 Array = Any
@@ -44,7 +45,9 @@ def _relu_forward_gpu(x: Array, y: Array, *, negative_slope: float = 0.0) -> Non
 @device_variant(_relu_forward_gpu)
 def relu_forward(x: Array, y: Array, *, negative_slope: float = 0.0) -> None:
     if negative_slope == 0:
-        np.maximum(x, 0, out=y)
+        dnnl = onednn.get()
+        if dnnl is None or not dnnl.relu_forward(x, y):
+            np.maximum(x, 0, out=y)
     else:
         np.multiply(x, np.where(x > 0, 1, negative_slope).astype(x.dtype), out=y)
 
@@ -57,7 +60,9 @@ def _relu_backward_gpu(x: Array, dy: Array, dx: Array, *, negative_slope: float 
 def relu_backward(x: Array, dy: Array, dx: Array, *, negative_slope: float = 0.0) -> None:
     """``x`` may be the top (in-place use): its sign is the bottom's sign."""
     if negative_slope == 0:
-        np.multiply(dy, x > 0, out=dx)
+        dnnl = onednn.get()
+        if dnnl is None or not dnnl.relu_backward(x, dy, dx):
+            np.multiply(dy, x > 0, out=dx)
     else:
         np.multiply(dy, np.where(x > 0, 1, negative_slope).astype(dy.dtype), out=dx)
 

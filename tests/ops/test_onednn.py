@@ -1,6 +1,7 @@
-"""The optional oneDNN convolutions, MAX pooling and InnerProduct products
+"""The optional oneDNN convolutions, MAX pooling, ReLU and InnerProduct products
 (``purine.backend.onednn``): on float32 they match the numpy kernels (forward, backward data,
-backward weight, a Deconvolution layer, MAX pooling's maxima and mask bit for bit, the
+backward weight, a Deconvolution layer, MAX pooling's maxima and mask bit for bit, ReLU's
+values and gradients bit for bit, the
 InnerProduct ops with and without transpose and bias, and whole LeNet and CIFAR-10 quick
 training steps), float64 and small products stay on numpy, and without a usable library purine
 falls back to numpy, with one warning when an installed one fails to load.
@@ -22,7 +23,7 @@ from purine.backend import onednn, set_blas_threads
 from purine.caffe import TRAIN, Net
 from purine.formats import caffe_pb2 as pb
 from purine.formats.prototxt import filter_net, read_net, replace_data_layers
-from purine.ops import conv, pooling
+from purine.ops import activation, conv, pooling
 from purine.ops import inner_product as ip
 from purine.ops.conv import ConvGeometry
 from purine.ops.pooling import PoolGeometry
@@ -222,9 +223,10 @@ def train_step(net: Net, data: np.ndarray, label: np.ndarray) -> dict[str, np.nd
 STEPS = {
     # convolutions: three forwards, three weight gradients, two backward datas (conv1's
     # bottom is data); pool1's MAX forward (pool2 and pool3 are AVE); ip1 and ip2: forward,
-    # weight gradient and backward data each
+    # weight gradient and backward data each; relu1-relu3 forward and backward (each of at
+    # least ELTWISE_MIN values)
     "cifar10_quick": ("models/cifar10_quick/cifar10_quick_train_test.prototxt",
-                      (16, 3, 32, 32), 9 + 6, 2),
+                      (16, 3, 32, 32), 9 + 6 + 6, 2),
     # two convolutions (2 + 2 + 1), two MAX pools, two inner products (3 + 3)
     "lenet": ("models/lenet/lenet_train_test.prototxt", (8, 1, 28, 28), 5 + 2 + 6, 4),
 }
@@ -446,6 +448,46 @@ def test_max_pool_float64_stays_on_numpy(dnnl):
     rows = x[0, 0, :3]
     np.testing.assert_array_equal(y[0, 0, 0], [rows[:, j:j + 3].max() for j in range(5)])
     assert y.dtype == np.float64
+
+
+def relu_arrays(n: int, dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """x and dy of n values with zeros and negative zeros among them."""
+    rng = np.random.default_rng(3)
+    x, dy = rng.standard_normal((2, n)).astype(dtype)
+    x[::97], x[::101], dy[::89] = 0.0, -0.0, -0.0
+    return x, dy
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["out of place", "in place"])
+def test_relu_matches_numpy_bit_for_bit(dnnl, monkeypatch, in_place):
+    """Forward max(x, 0) and backward dy * (x > 0), with x the bottom or (in place, as
+    Caffe's nets use ReLU) the top, give numpy's bits, +0 and -0 included."""
+    x, dy = relu_arrays(onednn.ELTWISE_MIN + 5)
+    want_y = np.maximum(x, 0)
+    want_dx = np.multiply(dy, x > 0)
+    before = dnnl.calls
+    y = x.copy() if in_place else np.empty_like(x)
+    activation.relu_forward(y if in_place else x, y)
+    sign = y if in_place else x
+    dx = dy.copy() if in_place else np.full_like(dy, np.nan)
+    activation.relu_backward(sign, dx if in_place else dy, dx)
+    assert dnnl.calls - before == 2
+    np.testing.assert_array_equal(y.view(np.uint32), want_y.view(np.uint32))
+    np.testing.assert_array_equal(dx.view(np.uint32), want_dx.view(np.uint32))
+
+
+@pytest.mark.parametrize("why", ["small", "float64", "leaky"])
+def test_small_float64_and_leaky_relus_stay_on_numpy(dnnl, why):
+    n = onednn.ELTWISE_MIN - 1 if why == "small" else onednn.ELTWISE_MIN
+    x, dy = relu_arrays(n, np.float64 if why == "float64" else np.float32)
+    slope = 0.1 if why == "leaky" else 0.0
+    y, dx = np.empty_like(x), np.empty_like(x)
+    before = dnnl.calls
+    activation.relu_forward(x, y, negative_slope=slope)
+    activation.relu_backward(x, dy, dx, negative_slope=slope)
+    assert dnnl.calls == before
+    np.testing.assert_array_equal(y, np.where(x > 0, x, x * x.dtype.type(slope)))
+    np.testing.assert_array_equal(dx, dy * np.where(x > 0, 1, slope).astype(x.dtype))
 
 
 def test_describe_names_the_library(dnnl):
