@@ -1,7 +1,7 @@
-"""oneDNN's CPU convolutions, MAX pooling and matrix products through its C API (ctypes),
-used by the float32 host bodies of ``purine.ops.conv``, ``purine.ops.pooling``,
-``purine.ops.inner_product`` and ReLU's (``purine.ops.activation``) when the optional ``onednn-cpu-gomp`` wheel is installed
-(``pip install "purine-caffe[onednn]"``); without it, or with ``PURINE_ONEDNN=0`` (read once
+"""oneDNN's CPU convolutions, MAX pooling, ReLU and matrix products through its C API
+(ctypes), used by the float32 host bodies of ``purine.ops.conv``, ``purine.ops.pooling``,
+``purine.ops.activation`` and ``purine.ops.inner_product`` when the ``onednn-cpu-gomp`` wheel
+is installed (a dependency on Linux x86-64); without it, or with ``PURINE_ONEDNN=0`` (read once
 into ``SETTINGS``; ``use`` changes it), they run on numpy. While a pass runs with it in use
 (``pass_scope``, which the dispatcher holds), OpenBLAS runs one thread; between passes the
 user's own numpy has its threads.
@@ -9,13 +9,14 @@ user's own numpy has its threads.
 Each convolution geometry gets its primitives once (descriptor creation costs milliseconds)
 on oneDNN's own blocked layouts, or with NHWC activations where the blocks would pad the
 channels by much (``PADDING_FOR_NHWC``); a call reorders its NCHW/OIHW operands into them
-and the result back. The blocked copies live in one scratch buffer shared by all primitives, each
-call's copies side by side in it, so the extra memory is the largest one call needs (the
+and the result back. The blocked copies live in one scratch buffer shared by all primitives,
+each call's copies side by side in it, so the extra memory is the largest one call needs (the
 blocked operands of one convolution), not a sum over layers or over operand positions.
 Pooling runs on plain NCHW, where its workspace holds each maximum's kernel offset, from
 which the forward writes Caffe's argmax mask (the backward stays numpy's, from the mask).
-A matrix product runs oneDNN's matmul on the arrays themselves: a transposed operand is the
-same memory read with other strides, the bias a (1, N) row broadcast over the batch.
+ReLU runs on the flat arrays. A matrix product runs oneDNN's matmul on the arrays themselves:
+a transposed operand is the same memory read with other strides, the bias a (1, N) row
+broadcast over the batch.
 """
 
 from __future__ import annotations
