@@ -1,6 +1,6 @@
 """The optional oneDNN convolutions, MAX pooling, ReLU and InnerProduct products
 (``purine.backend.onednn``): on float32 they match the numpy kernels (forward, backward data,
-backward weight, a Deconvolution layer, MAX pooling's maxima and mask bit for bit, ReLU's
+backward weight, on named geometries and on 40 drawn ones of either layout, a Deconvolution layer, MAX pooling's maxima and mask bit for bit, ReLU's
 values and gradients bit for bit, the
 InnerProduct ops with and without transpose and bias, and whole LeNet and CIFAR-10 quick
 training steps), float64 and small products stay on numpy, and without a usable library purine
@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from purine.backend import onednn, set_blas_threads
 from purine.caffe import TRAIN, Net
@@ -138,6 +140,38 @@ def test_channels_the_blocks_would_pad_run_on_nhwc(dnnl):
     assert dnnl._activation_tag(cifar) == onednn._TAG_ANY
     for op in ("fwd", "bwd_data", "bwd_w"):
         assert not dnnl._impl(dnnl._pd(op, lenet, onednn._TAG_NHWC)).startswith("ref")
+
+
+@st.composite
+def conv_geometries(draw: st.DrawFn) -> ConvGeometry:
+    """Small convolutions of any channel counts (blocked and NHWC layouts alike), groups,
+    strides, padding and dilation with a positive output."""
+    group = draw(st.integers(1, 3))
+    kh, kw = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    dh, dw = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    ph, pw = draw(st.integers(0, kh - 1)), draw(st.integers(0, kw - 1))
+    h = draw(st.integers(max(1, dh * (kh - 1) + 1 - 2 * ph), 9))
+    w = draw(st.integers(max(1, dw * (kw - 1) + 1 - 2 * pw), 9))
+    return ConvGeometry(draw(st.integers(1, 3)), group * draw(st.integers(1, 24)), h, w,
+                        group * draw(st.integers(1, 24)), kh, kw, draw(st.integers(1, 3)),
+                        draw(st.integers(1, 3)), ph, pw, dh, dw, group)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(g=conv_geometries())
+def test_any_geometry_matches_numpy(dnnl, g):
+    """Whatever layout the geometry gets (``_activation_tag``), oneDNN's forward with bias,
+    backward data and weight gradients give numpy's results."""
+    a = conv_arrays(g)
+    got = run_ops(g, a, True)
+    before = onednn.use(False)
+    try:
+        want = run_ops(g, a, True)
+    finally:
+        onednn.use(before)
+    for k in want:
+        assert_close(got[k], want[k], 2e-5)
 
 
 def test_float64_stays_on_numpy(dnnl, monkeypatch):
