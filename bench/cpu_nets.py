@@ -441,6 +441,9 @@ def main() -> None:
                     help="timed iterations of the training-loop comparison (default 20)")
     ap.add_argument("--no-train-loop", action="store_true",
                     help="skip the training-loop comparison")
+    ap.add_argument("--train-repeat", type=int, default=1, metavar="N",
+                    help="alternate purine's and PyTorch's training loops N times per net, "
+                         "medians reported (default 1)")
     ap.add_argument("--worker", nargs=2, metavar=("FRAMEWORK", "NET"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -470,7 +473,8 @@ def main() -> None:
         nets = [n for n in args.nets.split(",") if n in train_loop.SETTINGS]
         if nets:
             print()
-            train_loop.compare(nets, args.train_iterations, train_loop.RECORDS)
+            train_loop.compare(nets, args.train_iterations, train_loop.RECORDS,
+                               args.train_repeat)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 momentum), purine-caffe beside a plain PyTorch training loop, in the same run.
 
     python bench/train_loop.py [--iterations N] [--nets lenet,cifar10_quick,alexnet] [--records N]
+                               [--repeat N]
 
 purine-caffe trains the model zoo's TRAIN net from its solver settings (SGD, momentum 0.9, the
 zoo's lr, weight decay and batch) with its Data layer reading a temporary LMDB of raw Datums
@@ -144,6 +145,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--nets", default=",".join(SETTINGS))
     ap.add_argument("--records", type=int, default=RECORDS)
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="alternate purine and PyTorch N times per net and report the medians")
     ap.add_argument("--worker", nargs=2, metavar=("FRAMEWORK", "NET"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -151,20 +154,34 @@ def main() -> None:
         run = run_purine if fw == "purine" else run_torch
         print(json.dumps(run(net, args.iterations, args.records)))
         return
-    compare(args.nets.split(","), args.iterations, args.records)
+    compare(args.nets.split(","), args.iterations, args.records, args.repeat)
 
 
-def compare(nets: list[str], iterations: int, records: int) -> None:
-    """Print the table: each net's images/s and peak MB, purine beside PyTorch."""
+def compare(nets: list[str], iterations: int, records: int, repeat: int = 1) -> None:
+    """Print the table: each net's images/s and peak MB, purine beside PyTorch. With
+    ``repeat`` > 1 the two alternate, purine then PyTorch, ``repeat`` times, and the table
+    gives the medians (the ratio of the median rates) with each side's range: on a shared
+    machine whose speed drifts from minute to minute, alternating runs compare where one
+    run of each does not."""
     print(f"{'training loop':15s} {'purine img/s':>13s} {'torch img/s':>12s} {'ratio':>6s} "
           f"{'purine MB':>10s} {'torch MB':>9s} {'ratio':>6s}")
     for net in nets:
-        p, t = in_workers(__file__, net, ["--iterations", str(iterations),
-                                          "--records", str(records)])
+        runs = [in_workers(__file__, net, ["--iterations", str(iterations),
+                                           "--records", str(records)])
+                for _ in range(repeat)]
+        p = {k: statistics.median(r[0][k] for r in runs) for k in ("img_s", "peak_mb")}
+        t = {k: statistics.median(r[1][k] for r in runs) for k in ("img_s", "peak_mb")}
         # ratio: purine's time per image over PyTorch's (below 1: purine-caffe is faster)
         print(f"{net:15s} {p['img_s']:13.0f} {t['img_s']:12.0f} {t['img_s'] / p['img_s']:6.2f} "
               f"{p['peak_mb']:10.1f} {t['peak_mb']:9.1f} "
               f"{p['peak_mb'] / max(t['peak_mb'], 1e-9):6.2f}")
+        if repeat > 1:
+            ratios = sorted(r[1]["img_s"] / r[0]["img_s"] for r in runs)
+            print(f"{'':15s} {repeat} alternating runs: purine "
+                  f"{min(r[0]['img_s'] for r in runs):.0f}-{max(r[0]['img_s'] for r in runs):.0f}"
+                  f" img/s, torch {min(r[1]['img_s'] for r in runs):.0f}-"
+                  f"{max(r[1]['img_s'] for r in runs):.0f}, ratio per pair "
+                  f"{ratios[0]:.2f}-{ratios[-1]:.2f}")
 
 
 if __name__ == "__main__":
