@@ -94,6 +94,8 @@ _SIGNATURES: dict[str, list[Any]] = {
         _PP, _P, ctypes.c_int, _P, _P, _P, _P, _DIMS, _DIMS, _DIMS, _DIMS, _P, _P],
     "dnnl_pooling_forward_primitive_desc_create": [
         _PP, _P, ctypes.c_int, ctypes.c_int, _P, _P, _DIMS, _DIMS, _DIMS, _DIMS, _DIMS, _P],
+    "dnnl_pooling_backward_primitive_desc_create": [
+        _PP, _P, ctypes.c_int, _P, _P, _DIMS, _DIMS, _DIMS, _DIMS, _DIMS, _P, _P],
     "dnnl_matmul_primitive_desc_create": [_PP, _P, _P, _P, _P, _P, _P],
     "dnnl_eltwise_forward_primitive_desc_create": [
         _PP, _P, ctypes.c_int, ctypes.c_int, _P, _P, ctypes.c_float, ctypes.c_float, _P],
@@ -549,11 +551,11 @@ class Dnnl:
         # wins over an image value, so the ceil-rounded overhang is right padding.
         right = ((g.pooled_h - 1) * g.stride_h + g.kernel_h - g.height - g.pad_h,
                  (g.pooled_w - 1) * g.stride_w + g.kernel_w - g.width - g.pad_w)
+        window = (_dims(g.stride_h, g.stride_w), _dims(g.kernel_h, g.kernel_w), _dims(0, 0),
+                  _dims(g.pad_h, g.pad_w), _dims(*right))
         pd = ctypes.c_void_p()
         self.call("dnnl_pooling_forward_primitive_desc_create", ctypes.byref(pd), self.engine,
-                  _FORWARD_TRAINING, _POOLING_MAX, x, y, _dims(g.stride_h, g.stride_w),
-                  _dims(g.kernel_h, g.kernel_w), _dims(0, 0), _dims(g.pad_h, g.pad_w),
-                  _dims(*right), None)
+                  _FORWARD_TRAINING, _POOLING_MAX, x, y, *window, None)
         ws = ctypes.c_void_p(self.lib.dnnl_primitive_desc_query_md(pd, _Q_WORKSPACE, 0))
         outputs = g.num * g.channels * g.pooled_h * g.pooled_w
         code = {outputs: np.uint8, 4 * outputs: np.int32}.get(
@@ -568,7 +570,7 @@ class Dnnl:
         offsets = (kk // g.kernel_w) * g.width + kk % g.kernel_w
         starts = ((np.arange(g.pooled_h) * g.stride_h - g.pad_h)[:, None] * g.width
                   + (np.arange(g.pooled_w) * g.stride_w - g.pad_w)[None, :])
-        return _MaxPool(prim, code, offsets, starts)
+        return _MaxPool(prim, pd, window, ws, code, offsets, starts)
 
     def max_pool_forward(self, x: np.ndarray, y: np.ndarray, mask: np.ndarray, g: Any
                          ) -> bool:
@@ -585,14 +587,7 @@ class Dnnl:
                 or mask.dtype not in _MASK_TYPES or mask.size != y.size
                 or (mask.dtype == np.float32 and g.height * g.width > 1 << 24)):
             return False
-        if g not in self._pools:
-            with self.lock:
-                if g not in self._pools:
-                    try:
-                        self._pools[g] = self._max_pool(g)
-                    except PurineError:  # no implementation for this geometry
-                        self._pools[g] = None
-        pool = self._pools[g]
+        pool = self._pool(g)
         if pool is None:
             return False
         code = np.empty(y.shape, pool.code)
@@ -608,12 +603,77 @@ class Dnnl:
         return True
 
 
+    def _pool(self, g: Any) -> _MaxPool | None:
+        """The MAX pooling forward of geometry ``g``, made on first use; None when oneDNN
+        has none for it."""
+        if g not in self._pools:
+            with self.lock:
+                if g not in self._pools:
+                    try:
+                        self._pools[g] = self._max_pool(g)
+                    except PurineError:  # no implementation for this geometry
+                        self._pools[g] = None
+        return self._pools[g]
+
+    def _pool_fits(self, g: Any, x: np.ndarray, y: np.ndarray, offsets: np.ndarray
+                   ) -> _MaxPool | None:
+        """The forward of ``g`` when oneDNN takes these arrays (float32 x and y, contiguous,
+        no window wholly outside the image, ``offsets`` of its workspace's type), else
+        None."""
+        if (min(g.num, g.channels, g.height, g.width, g.pooled_h, g.pooled_w) <= 0
+                or g.empty_rows or g.empty_cols
+                or not all(type(a) is np.ndarray and a.flags.c_contiguous
+                           for a in (x, y, offsets))
+                or x.dtype != np.float32 or y.dtype != np.float32
+                or offsets.size != y.size or x.size != g.num * g.channels * g.height * g.width):
+            return None
+        pool = self._pool(g)
+        return pool if pool is not None and offsets.dtype == pool.code else None
+
+    def max_pool_forward_offsets(self, x: np.ndarray, y: np.ndarray, offsets: np.ndarray,
+                                 g: Any) -> bool:
+        """y = the window maxima, ``offsets`` = oneDNN's workspace: each maximum's kernel
+        offset i * kernel_w + j (the first in scan order on ties), which ``max_pool_backward``
+        reads; False (nothing written) when numpy must do it."""
+        pool = self._pool_fits(g, x, y, offsets)
+        if pool is None:
+            return False
+        pool.prim.run(x, y, offsets)
+        return True
+
+    def max_pool_backward(self, dy: np.ndarray, offsets: np.ndarray, dx: np.ndarray, g: Any
+                          ) -> bool:
+        """dx = dy scattered to the maxima ``max_pool_forward_offsets`` found (overlapping
+        windows add up); False (nothing written) when numpy must do it."""
+        pool = self._pool_fits(g, dx, dy, offsets)
+        if pool is None:
+            return False
+        prim = self._cached(("max_pool_backward", g), lambda: self._max_pool_backward(g, pool))
+        if prim is None:
+            return False
+        prim.run(dy, offsets, dx)
+        return True
+
+    def _max_pool_backward(self, g: Any, pool: _MaxPool) -> _Primitive:
+        x = self.md((g.num, g.channels, g.height, g.width), _TAG_ABCD)
+        y = self.md((g.num, g.channels, g.pooled_h, g.pooled_w), _TAG_ABCD)
+        pd = ctypes.c_void_p()
+        self.call("dnnl_pooling_backward_primitive_desc_create", ctypes.byref(pd), self.engine,
+                  _POOLING_MAX, x, y, *pool.window, pool.pd, None)
+        return _Primitive(self, pd, [(_ARG_DIFF_DST, None, y, True),
+                                     (_ARG_WORKSPACE, None, pool.workspace, True),
+                                     (_ARG_DIFF_SRC, None, x, False)])
+
+
 @dataclass
 class _MaxPool:
     """A MAX pooling forward primitive (x, y, workspace) and what turns its workspace into
     Caffe's mask: offsets[code] + starts."""
 
     prim: _Primitive
+    pd: ctypes.c_void_p  # the forward descriptor (the backward's hint)
+    window: tuple[Any, ...]  # strides, kernel, dilation, left and right padding (dims)
+    workspace: ctypes.c_void_p  # the workspace's memory descriptor
     code: Any  # the workspace's numpy dtype
     offsets: np.ndarray  # (kernel_h * kernel_w,): plane index of kernel offset (i, j) - start
     starts: np.ndarray  # (pooled_h, pooled_w): plane index of each window's padded corner

@@ -1,8 +1,10 @@
 """Pooling kernels (Caffe's Pooling: MAX with its argmax mask, AVE, STOCHASTIC), vectorized
 over everything but the kernel offsets. Windows follow Caffe: MAX ignores padding, AVE divides
 by the window clipped to the padded image, STOCHASTIC has none. On a GPU: our CUDA kernels for
-MAX and AVE; STOCHASTIC as CuPy array operations. The float32 host MAX forward goes to oneDNN
-where it is installed (``purine.backend.onednn``), with the same maxima and mask."""
+MAX and AVE; STOCHASTIC as CuPy array operations. On the host, MAX pooling keeps its argmax as
+kernel offsets (``max_pool_forward_offsets``) unless the layer asks for Caffe's mask top; its
+float32 passes go to oneDNN where it is installed (``purine.backend.onednn``), the forward
+with the same maxima and argmax as numpy's."""
 
 from __future__ import annotations
 
@@ -162,11 +164,30 @@ def _max_pool_forward(x4: Array, y4: Array, m4: Array, g: PoolGeometry) -> None:
         y4[:, :, 0, 0] = np.take_along_axis(flat, arg[:, :, None], axis=2)[:, :, 0]
         m4[:, :, 0, 0] = arg
         return
+    code = np.zeros(y4.shape, dtype=offset_dtype(g))
+    _max_pool_offsets(x4, y4, code, g)
+    offsets = np.asarray([(o // g.kernel_w) * g.width + o % g.kernel_w
+                          for o in range(g.kernel_h * g.kernel_w)])
+    np.add(offsets[code], _window_starts(np, g), out=m4, casting="unsafe")
+    if g.empty_rows or g.empty_cols:
+        # Windows wholly outside the image keep Caffe's initial values.
+        for region in _empty_windows(g):
+            y4[region] = -np.finfo(np.float32).max
+            m4[region] = -1
+
+
+def _empty_windows(g: PoolGeometry) -> tuple[Any, Any]:
+    """The trailing rows and columns of windows wholly outside the image."""
+    return (np.s_[:, :, g.pooled_h - g.empty_rows:], np.s_[..., g.pooled_w - g.empty_cols:])
+
+
+def _max_pool_offsets(x4: Array, y4: Array, code: Array, g: PoolGeometry) -> None:
+    """y4 = the window maxima, ``code`` (zeros on entry) = each one's kernel offset
+    i * kernel_w + j, the first in scan order on ties."""
     # Padding is -inf so that it never wins: Caffe's windows are clipped to the image.
     xpad = _padded(np, x4, g, -np.inf)
     kk = g.kernel_h * g.kernel_w
-    code_type = np.uint8 if kk < 256 else np.int32
-    code = np.zeros(y4.shape, dtype=code_type)  # the kernel offset of the running maximum
+    code_type = code.dtype.type
     cur = np.empty(y4.shape, dtype=x4.dtype)
     better = np.empty(y4.shape, dtype=bool)
     step = np.empty(y4.shape, dtype=code_type)
@@ -180,14 +201,6 @@ def _max_pool_forward(x4: Array, y4: Array, m4: Array, g: PoolGeometry) -> None:
         # replacement is the largest offset that won: a maximum of better * o.
         np.multiply(better, code_type(o), out=step)
         np.maximum(code, step, out=code)
-    offsets = np.asarray([(o // g.kernel_w) * g.width + o % g.kernel_w for o in range(kk)])
-    np.add(offsets[code], _window_starts(np, g), out=m4, casting="unsafe")
-    if g.empty_rows or g.empty_cols:
-        # Windows wholly outside the image keep Caffe's initial values.
-        for region in (np.s_[:, :, g.pooled_h - g.empty_rows:],
-                       np.s_[..., g.pooled_w - g.empty_cols:]):
-            y4[region] = -np.finfo(np.float32).max
-            m4[region] = -1
 
 
 def _max_pool_backward_gpu(dy: Array, mask: Array, dx: Array, *, geom: PoolGeometry) -> None:
@@ -227,6 +240,78 @@ def _max_pool_backward(dy: Array, mask: Array, dx: Array, g: PoolGeometry) -> No
         scatter_add(flat, index.reshape(-1), values.reshape(-1))
     else:  # each input is the argmax of at most one window
         flat[index.reshape(-1)] = values.reshape(-1)
+
+
+# -- MAX pooling on the host, the argmax as kernel offsets ----------------------------------
+def offset_dtype(g: PoolGeometry) -> Any:
+    """The dtype of ``max_pool_forward_offsets``'s argmax: uint8 while every kernel offset and
+    the empty-window mark (kernel_h * kernel_w) fit in it, else int32 (oneDNN's workspace
+    types for the same two cases)."""
+    return np.uint8 if g.kernel_h * g.kernel_w < 256 else np.int32
+
+
+def max_pool_forward_offsets(x: Array, y: Array, offsets: Array, *,
+                             geom: PoolGeometry) -> None:
+    """y = the window maxima; ``offsets`` (``offset_dtype``) = each maximum's kernel offset
+    i * kernel_w + j, the first in scan order on ties, and kernel_h * kernel_w for a window
+    wholly outside the image (whose maximum is Caffe's -FLT_MAX). MAX pooling on the host
+    when no mask top is asked for: the argmax stays in the form oneDNN's forward writes and
+    its backward reads, so neither pass converts it to Caffe's plane indices (which
+    ``max_pool_forward`` writes, for the mask top and on a GPU)."""
+    if _no_planes(geom):
+        return
+    g = geom
+    dnnl = onednn.get()
+    if dnnl is not None and dnnl.max_pool_forward_offsets(x, y, offsets, g):
+        return
+    x4, y4, o4 = _planes(x, g, False), _planes(y, g, True), _planes(offsets, g, True)
+    if g.is_global:  # the window is the plane: the offset is the plane index
+        flat = x4.reshape(g.num, g.channels, -1)
+        arg = flat.argmax(axis=2)
+        y4[:, :, 0, 0] = np.take_along_axis(flat, arg[:, :, None], axis=2)[:, :, 0]
+        o4[:, :, 0, 0] = arg
+        return
+    o4.fill(0)
+    host_parallel(lambda s: _max_pool_offsets(x4[s], y4[s], o4[s],
+                                              replace(g, num=s.stop - s.start)),
+                  g.num, work=x4.size)
+    if g.empty_rows or g.empty_cols:
+        for region in _empty_windows(g):
+            y4[region] = -np.finfo(np.float32).max
+            o4[region] = g.kernel_h * g.kernel_w
+
+
+def max_pool_backward_offsets(dy: Array, offsets: Array, dx: Array, *,
+                              geom: PoolGeometry) -> None:
+    """dx = dy scattered to each window's maximum, from ``max_pool_forward_offsets``'s
+    offsets; overlapping windows add up (in output order on numpy, as Caffe's backward)."""
+    if _no_planes(geom):
+        return
+    g = geom
+    dnnl = onednn.get()
+    if dnnl is not None and dnnl.max_pool_backward(dy, offsets, dx, g):
+        return
+    dy4, o4, dx4 = _planes(dy, g, True), _planes(offsets, g, True), _planes(dx, g, False)
+    host_parallel(lambda s: _max_pool_backward(dy4[s], _plane_index(o4[s], g), dx4[s],
+                                               replace(g, num=s.stop - s.start)),
+                  g.num, work=dx4.size)
+
+
+def _plane_index(o4: Array, g: PoolGeometry) -> Array:
+    """Caffe's mask (int32 plane indices h * W + w, -1 for an empty window) of kernel
+    offsets."""
+    kk = g.kernel_h * g.kernel_w
+    table = np.asarray([(o // g.kernel_w) * g.width + o % g.kernel_w for o in range(kk)],
+                       dtype=np.int32)
+    if g.is_global:
+        return o4.astype(np.int32)
+    empty = g.empty_rows or g.empty_cols
+    index = np.minimum(o4, kk - 1) if empty else o4  # the empty-window mark, in range
+    mask = np.add(np.take(table, index), _window_starts(np, g).astype(np.int32))
+    if empty:
+        for region in _empty_windows(g):
+            mask[region] = -1
+    return mask
 
 
 def _ave_matrix(xp: Any, pooled: int, size: int, kernel: int, stride: int, pad: int,

@@ -256,13 +256,14 @@ def train_step(net: Net, data: np.ndarray, label: np.ndarray) -> dict[str, np.nd
 # numpy alone): these seeds keep every ip1 input above 1e-4 of the largest.
 STEPS = {
     # convolutions: three forwards, three weight gradients, two backward datas (conv1's
-    # bottom is data); pool1's MAX forward (pool2 and pool3 are AVE); ip1 and ip2: forward,
-    # weight gradient and backward data each; relu1-relu3 forward and backward (each of at
-    # least ELTWISE_MIN values)
+    # bottom is data); pool1's MAX forward and backward (pool2 and pool3 are AVE); ip1 and
+    # ip2: forward, weight gradient and backward data each; relu1-relu3 forward and backward
+    # (each of at least ELTWISE_MIN values)
     "cifar10_quick": ("models/cifar10_quick/cifar10_quick_train_test.prototxt",
-                      (16, 3, 32, 32), 9 + 6 + 6, 2),
-    # two convolutions (2 + 2 + 1), two MAX pools, two inner products (3 + 3)
-    "lenet": ("models/lenet/lenet_train_test.prototxt", (8, 1, 28, 28), 5 + 2 + 6, 4),
+                      (16, 3, 32, 32), 8 + 2 + 6 + 6, 2),
+    # two convolutions (2 + 2 + 1), two MAX pools (forward and backward), two inner
+    # products (3 + 3)
+    "lenet": ("models/lenet/lenet_train_test.prototxt", (8, 1, 28, 28), 5 + 4 + 6, 4),
 }
 
 
@@ -467,6 +468,77 @@ def test_max_pool_windows_outside_the_image_stay_on_numpy(dnnl, monkeypatch):
     assert got[1][0, 0, -1].tolist() == [-1, -1, -1]
     want = on_numpy(monkeypatch, max_pool, g, x, np.float32)
     for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+EMPTY_WINDOWS = pool_geometry(2, 3, 7, 7, (2, 2), (4, 4))  # the last window starts past
+
+
+def offset_pool(g: PoolGeometry, x: np.ndarray, dy: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """y, the kernel offsets and dx of MAX pooling as the host's layers run it."""
+    y, dx = np.empty(dy.shape, x.dtype), np.full_like(x, np.nan)
+    offsets = np.empty(dy.shape, pooling.offset_dtype(g))
+    pooling.max_pool_forward_offsets(x, y, offsets, geom=g)
+    pooling.max_pool_backward_offsets(dy, offsets, dx, geom=g)
+    return y, offsets, dx
+
+
+def pool_inputs(g: PoolGeometry) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    shape = (g.num, g.channels, g.height, g.width)
+    rng = np.random.default_rng(5)
+    dy = rng.standard_normal((g.num, g.channels, g.pooled_h, g.pooled_w)).astype(np.float32)
+    yield "ties", relu_ties(shape), dy
+    yield "normal", rng.standard_normal(shape).astype(np.float32), dy
+
+
+@pytest.mark.parametrize("name", sorted(POOLS) + ["empty windows"])
+def test_offset_pooling_is_caffes_mask_pooling(name):
+    """On numpy (the suite's kernels), the host's MAX pooling with kernel offsets gives the
+    maxima and gradient bits of Caffe's plane-index mask pooling (max_pool_forward and
+    max_pool_backward, which the layer tests hold to Caffe), and offsets that are that mask
+    (the empty-window mark where Caffe's mask is -1)."""
+    assert not onednn.SETTINGS.enabled
+    g = POOLS.get(name, EMPTY_WINDOWS)
+    for what, x, dy in pool_inputs(g):
+        y, offsets, dx = offset_pool(g, x, dy)
+        want_y, mask = max_pool(g, x, np.int32)
+        want_dx = np.empty_like(x)
+        pooling.max_pool_backward(dy, mask, want_dx, geom=g)
+        np.testing.assert_array_equal(y, want_y, err_msg=what)
+        np.testing.assert_array_equal(pooling._plane_index(offsets, g), mask, err_msg=what)
+        np.testing.assert_array_equal(dx.view(np.uint32), want_dx.view(np.uint32),
+                                      err_msg=what)
+    if name == "empty windows":
+        assert (offsets[:, :, -1] == 4).all() and (offsets[..., -1] == 4).all()
+        assert (offsets[:, :, :-1, :-1] < 4).all()
+
+
+@pytest.mark.parametrize("name", sorted(POOLS))
+def test_offset_pooling_on_onednn_matches_numpy(dnnl, monkeypatch, name):
+    """oneDNN's forward writes numpy's maxima and offsets bit for bit, and its backward reads
+    them: numpy's gradient bit for bit where windows do not overlap, within float32's
+    rounding of a sum where they do (the order of the additions differs)."""
+    g = POOLS[name]
+    for what, x, dy in pool_inputs(g):
+        before = dnnl.calls
+        got = offset_pool(g, x, dy)
+        assert dnnl.calls - before == 2, what
+        want = on_numpy(monkeypatch, offset_pool, g, x, dy)
+        np.testing.assert_array_equal(got[0], want[0], err_msg=what)
+        np.testing.assert_array_equal(got[1], want[1], err_msg=what)
+        if g.overlapping:
+            assert_close(got[2], want[2], 1e-6)
+        else:
+            np.testing.assert_array_equal(got[2], want[2], err_msg=what)
+
+
+def test_offset_pooling_with_empty_windows_stays_on_numpy(dnnl, monkeypatch):
+    x, dy = next(pool_inputs(EMPTY_WINDOWS))[1:]
+    before = dnnl.calls
+    got = offset_pool(EMPTY_WINDOWS, x, dy)
+    assert dnnl.calls == before
+    for a, b in zip(got, on_numpy(monkeypatch, offset_pool, EMPTY_WINDOWS, x, dy), strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -297,7 +297,15 @@ def _pool(L: LayerBuild, x: Blob, y: Blob, geom: pooling.PoolGeometry, method: i
                      f"scratch for pooling {x.shape} (window {geom.kernel_h}x{geom.kernel_w}, "
                      f"stride {geom.stride_h}x{geom.stride_w})")
     if method == P.MAX:
-        # The argmax: Caffe's private max_idx_, or the optional second top (as floats).
+        if mask is None and L.location.device == "cpu":
+            # Caffe's private max_idx_, kept as kernel offsets on the host: the form oneDNN's
+            # passes read and write, so neither converts it.
+            offsets = L.scratch(f"mask{tag}", shape, np.dtype(pooling.offset_dtype(geom)).name)
+            L.forward(pooling.max_pool_forward_offsets, [x], [y, offsets], geom=geom)
+            return lambda dy, dx: L.backward(pooling.max_pool_backward_offsets, [dy, offsets],
+                                             [dx], geom=geom)
+        # The argmax as Caffe's plane indices: its max_idx_ on a GPU, or the optional second
+        # top (as floats).
         m = mask if mask is not None else L.scratch(f"mask{tag}", shape, "int32")
         L.forward(pooling.max_pool_forward, [x], [y, m], geom=geom)
         return lambda dy, dx: L.backward(pooling.max_pool_backward, [dy, m], [dx], geom=geom)
