@@ -300,11 +300,11 @@ def max_pool_backward_offsets(dy: Array, offsets: Array, dx: Array, *,
 def _plane_index(o4: Array, g: PoolGeometry) -> Array:
     """Caffe's mask (int32 plane indices h * W + w, -1 for an empty window) of kernel
     offsets."""
-    kk = g.kernel_h * g.kernel_w
-    table = np.asarray([(o // g.kernel_w) * g.width + o % g.kernel_w for o in range(kk)],
-                       dtype=np.int32)
     if g.is_global:
         return o4.astype(np.int32)
+    kk = g.kernel_h * g.kernel_w
+    k = np.arange(kk, dtype=np.int32)
+    table = (k // g.kernel_w) * g.width + k % g.kernel_w
     empty = g.empty_rows or g.empty_cols
     index = np.minimum(o4, kk - 1) if empty else o4  # the empty-window mark, in range
     mask = np.add(np.take(table, index), _window_starts(np, g).astype(np.int32))
