@@ -157,12 +157,18 @@ def max_pool_forward(x: Array, y: Array, mask: Array, *, geom: PoolGeometry) -> 
                   g.num, work=x4.size)
 
 
+def _global_max(x4: Array, y4: Array, arg4: Array) -> None:
+    """Global MAX pooling: y4 = each plane's maximum, arg4 = its plane index (the window is
+    the plane, so it is the kernel offset too)."""
+    flat = x4.reshape(x4.shape[0], x4.shape[1], -1)
+    arg = flat.argmax(axis=2)
+    y4[:, :, 0, 0] = np.take_along_axis(flat, arg[:, :, None], axis=2)[:, :, 0]
+    arg4[:, :, 0, 0] = arg
+
+
 def _max_pool_forward(x4: Array, y4: Array, m4: Array, g: PoolGeometry) -> None:
     if g.is_global:
-        flat = x4.reshape(g.num, g.channels, -1)
-        arg = flat.argmax(axis=2)
-        y4[:, :, 0, 0] = np.take_along_axis(flat, arg[:, :, None], axis=2)[:, :, 0]
-        m4[:, :, 0, 0] = arg
+        _global_max(x4, y4, m4)
         return
     code = np.zeros(y4.shape, dtype=offset_dtype(g))
     _max_pool_offsets(x4, y4, code, g)
@@ -258,18 +264,12 @@ def max_pool_forward_offsets(x: Array, y: Array, offsets: Array, *,
     when no mask top is asked for: the argmax stays in the form oneDNN's forward writes and
     its backward reads, so neither pass converts it to Caffe's plane indices (which
     ``max_pool_forward`` writes, for the mask top and on a GPU)."""
-    if _no_planes(geom):
-        return
-    g = geom
-    dnnl = onednn.get()
-    if dnnl is not None and dnnl.max_pool_forward_offsets(x, y, offsets, g):
+    g, dnnl = geom, onednn.get()
+    if _no_planes(g) or (dnnl is not None and dnnl.max_pool_forward_offsets(x, y, offsets, g)):
         return
     x4, y4, o4 = _planes(x, g, False), _planes(y, g, True), _planes(offsets, g, True)
-    if g.is_global:  # the window is the plane: the offset is the plane index
-        flat = x4.reshape(g.num, g.channels, -1)
-        arg = flat.argmax(axis=2)
-        y4[:, :, 0, 0] = np.take_along_axis(flat, arg[:, :, None], axis=2)[:, :, 0]
-        o4[:, :, 0, 0] = arg
+    if g.is_global:
+        _global_max(x4, y4, o4)
         return
     o4.fill(0)
     host_parallel(lambda s: _max_pool_offsets(x4[s], y4[s], o4[s],
@@ -285,11 +285,8 @@ def max_pool_backward_offsets(dy: Array, offsets: Array, dx: Array, *,
                               geom: PoolGeometry) -> None:
     """dx = dy scattered to each window's maximum, from ``max_pool_forward_offsets``'s
     offsets; overlapping windows add up (in output order on numpy, as Caffe's backward)."""
-    if _no_planes(geom):
-        return
-    g = geom
-    dnnl = onednn.get()
-    if dnnl is not None and dnnl.max_pool_backward(dy, offsets, dx, g):
+    g, dnnl = geom, onednn.get()
+    if _no_planes(g) or (dnnl is not None and dnnl.max_pool_backward(dy, offsets, dx, g)):
         return
     dy4, o4, dx4 = _planes(dy, g, True), _planes(offsets, g, True), _planes(dx, g, False)
     host_parallel(lambda s: _max_pool_backward(dy4[s], _plane_index(o4[s], g), dx4[s],
