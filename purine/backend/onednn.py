@@ -12,8 +12,8 @@ channels by much (``PADDING_FOR_NHWC``); a call reorders its NCHW/OIHW operands 
 and the result back. The blocked copies live in one scratch buffer shared by all primitives,
 each call's copies side by side in it, so the extra memory is the largest one call needs (the
 blocked operands of one convolution), not a sum over layers or over operand positions.
-Pooling runs on plain NCHW, where its workspace holds each maximum's kernel offset, from
-which the forward writes Caffe's argmax mask (the backward stays numpy's, from the mask).
+MAX pooling runs on plain NCHW; its workspace, each maximum's kernel offset, is the argmax
+that ``purine.ops.pooling`` keeps on the host and the backward reads.
 ReLU runs on the flat arrays. A matrix product runs oneDNN's matmul on the arrays themselves:
 a transposed operand is the same memory read with other strides, the bias a (1, N) row
 broadcast over the batch.
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from purine.backend import host_parallel, set_blas_threads
+from purine.backend import set_blas_threads
 from purine.errors import PurineError
 
 # The wheels that install libdnnl.so.3 for the CPU; they differ only in the threading runtime.
@@ -53,7 +53,6 @@ _Q_IMPL_INFO_STR = 8  # the implementation's name, "brg:avx512_core", "gemm:jit"
 _RUNTIMES = {1: "sequential", 2: "OpenMP", 4: "TBB", 8: "threadpool", 256: "OpenCL",
              512: "SYCL"}
 _ALIGN = 64  # bytes; what oneDNN's own allocations use
-_MASK_TYPES = (np.float32, np.float64, np.int32, np.int64)  # what a MAX pooling mask may be
 # Products of fewer multiply-adds stay on numpy: below about this many, waking oneDNN's OpenMP
 # team costs more than a second core saves (LeNet's ip2, 64x500x10: 0.007 ms on one OpenBLAS
 # thread, 0.03 ms through oneDNN; its ip1, 64x800x500: 0.65 against 0.32 ms).
@@ -562,46 +561,11 @@ class Dnnl:
             self.lib.dnnl_memory_desc_get_size(ws) if ws.value else 0)
         if code is None:
             return None
+        # The workspace holds the offset i*kernel_w + j of each maximum in its (padded)
+        # window.
         prim = _Primitive(self, pd, [(_ARG_SRC, None, x, True), (_ARG_DST, None, y, False),
                                      (_ARG_WORKSPACE, None, ws, False)])
-        # The workspace holds the offset i*kernel_w + j of each maximum in its (padded)
-        # window; Caffe's mask is that element's plane index h*W + w.
-        kk = np.arange(g.kernel_h * g.kernel_w)
-        offsets = (kk // g.kernel_w) * g.width + kk % g.kernel_w
-        starts = ((np.arange(g.pooled_h) * g.stride_h - g.pad_h)[:, None] * g.width
-                  + (np.arange(g.pooled_w) * g.stride_w - g.pad_w)[None, :])
-        return _MaxPool(prim, pd, window, ws, code, offsets, starts)
-
-    def max_pool_forward(self, x: np.ndarray, y: np.ndarray, mask: np.ndarray, g: Any
-                         ) -> bool:
-        """y = the window maxima of geometry ``g`` (a ``PoolGeometry``), ``mask`` = the plane
-        index of each (the first in scan order on ties, as oneDNN's comparisons are strict);
-        False (nothing written) when numpy must do it: another dtype, a window wholly
-        outside the image (Caffe's -FLT_MAX and -1), a float32 mask that cannot hold every
-        plane index exactly."""
-        if (min(g.num, g.channels, g.height, g.width, g.pooled_h, g.pooled_w) <= 0
-                or g.empty_rows or g.empty_cols
-                or not all(type(a) is np.ndarray and a.flags.c_contiguous
-                           for a in (x, y, mask))
-                or x.dtype != np.float32 or y.dtype != np.float32
-                or mask.dtype not in _MASK_TYPES or mask.size != y.size
-                or (mask.dtype == np.float32 and g.height * g.width > 1 << 24)):
-            return False
-        pool = self._pool(g)
-        if pool is None:
-            return False
-        code = np.empty(y.shape, pool.code)
-        pool.prim.run(x, y, code)
-        offsets, starts = pool.offsets.astype(mask.dtype), pool.starts.astype(mask.dtype)
-        planes = (g.num, g.channels, g.pooled_h, g.pooled_w)
-        code4, mask4 = code.reshape(planes), mask.reshape(planes)
-
-        def plane_index(s: slice) -> None:
-            np.add(np.take(offsets, code4[s]), starts, out=mask4[s])
-
-        host_parallel(plane_index, g.num, work=code.size)
-        return True
-
+        return _MaxPool(prim, pd, window, ws, code)
 
     def _pool(self, g: Any) -> _MaxPool | None:
         """The MAX pooling forward of geometry ``g``, made on first use; None when oneDNN
@@ -667,16 +631,13 @@ class Dnnl:
 
 @dataclass
 class _MaxPool:
-    """A MAX pooling forward primitive (x, y, workspace) and what turns its workspace into
-    Caffe's mask: offsets[code] + starts."""
+    """A MAX pooling forward primitive (x, y, workspace) and what its backward needs."""
 
     prim: _Primitive
     pd: ctypes.c_void_p  # the forward descriptor (the backward's hint)
     window: tuple[Any, ...]  # strides, kernel, dilation, left and right padding (dims)
     workspace: ctypes.c_void_p  # the workspace's memory descriptor
     code: Any  # the workspace's numpy dtype
-    offsets: np.ndarray  # (kernel_h * kernel_w,): plane index of kernel offset (i, j) - start
-    starts: np.ndarray  # (pooled_h, pooled_w): plane index of each window's padded corner
 
 
 @dataclass

@@ -147,14 +147,10 @@ def max_pool_forward(x: Array, y: Array, mask: Array, *, geom: PoolGeometry) -> 
     in scan order on ties), as Caffe's max_idx_ or its optional second top (float)."""
     if _no_planes(geom):
         return
-    g = geom
-    dnnl = onednn.get()
-    if dnnl is not None and dnnl.max_pool_forward(x, y, mask, g):
-        return
-    x4, y4, m4 = _planes(x, g, False), _planes(y, g, True), _planes(mask, g, True)
-    host_parallel(lambda s: _max_pool_forward(x4[s], y4[s], m4[s],
-                                              replace(g, num=s.stop - s.start)),
-                  g.num, work=x4.size)
+    # The kernel offsets (on oneDNN where it takes the call), then their plane indices.
+    offsets = np.empty(y.shape, offset_dtype(geom))
+    max_pool_forward_offsets(x, y, offsets, geom=geom)
+    _planes(mask, geom, True)[...] = _plane_index(_planes(offsets, geom, True), geom)
 
 
 def _global_max(x4: Array, y4: Array, arg4: Array) -> None:
@@ -164,22 +160,6 @@ def _global_max(x4: Array, y4: Array, arg4: Array) -> None:
     arg = flat.argmax(axis=2)
     y4[:, :, 0, 0] = np.take_along_axis(flat, arg[:, :, None], axis=2)[:, :, 0]
     arg4[:, :, 0, 0] = arg
-
-
-def _max_pool_forward(x4: Array, y4: Array, m4: Array, g: PoolGeometry) -> None:
-    if g.is_global:
-        _global_max(x4, y4, m4)
-        return
-    code = np.zeros(y4.shape, dtype=offset_dtype(g))
-    _max_pool_offsets(x4, y4, code, g)
-    offsets = np.asarray([(o // g.kernel_w) * g.width + o % g.kernel_w
-                          for o in range(g.kernel_h * g.kernel_w)])
-    np.add(offsets[code], _window_starts(np, g), out=m4, casting="unsafe")
-    if g.empty_rows or g.empty_cols:
-        # Windows wholly outside the image keep Caffe's initial values.
-        for region in _empty_windows(g):
-            y4[region] = -np.finfo(np.float32).max
-            m4[region] = -1
 
 
 def _empty_windows(g: PoolGeometry) -> tuple[Any, Any]:
