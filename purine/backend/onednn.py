@@ -1,4 +1,4 @@
-"""oneDNN's CPU convolutions, MAX pooling, ReLU and matrix products through its C API
+"""oneDNN's CPU convolutions, MAX and AVE pooling, ReLU and matrix products through its C API
 (ctypes), used by the float32 host bodies of ``purine.ops.conv``, ``purine.ops.pooling``,
 ``purine.ops.activation`` and ``purine.ops.inner_product`` when the ``onednn-cpu-gomp`` wheel
 is installed (a dependency on Linux x86-64); without it, or with ``PURINE_ONEDNN=0`` (read once
@@ -13,7 +13,8 @@ and the result back. The blocked copies live in one scratch buffer shared by all
 each call's copies side by side in it, so the extra memory is the largest one call needs (the
 blocked operands of one convolution), not a sum over layers or over operand positions.
 MAX pooling runs on plain NCHW; its workspace, each maximum's kernel offset, is the argmax
-that ``purine.ops.pooling`` keeps on the host and the backward reads.
+that ``purine.ops.pooling`` keeps on the host and the backward reads. AVE pooling runs
+there too, where one of oneDNN's two averages has Caffe's divisor (``ave_algorithm``).
 ReLU runs on the flat arrays. A matrix product runs oneDNN's matmul on the arrays themselves:
 a transposed operand is the same memory read with other strides, the bias a (1, N) row
 broadcast over the batch.
@@ -44,7 +45,8 @@ LIBRARY = "libdnnl.so.3"
 # Enum values and argument indices of oneDNN 3.x's dnnl_types.h.
 _CPU, _F32 = 1, 3
 _TAG_ANY, _TAG_A, _TAG_ABCD, _TAG_ABCDE, _TAG_NHWC = 1, 2, 5, 6, 22  # NHWC: dnnl_acdb
-_FORWARD_TRAINING, _CONV_DIRECT, _POOLING_MAX, _ELTWISE_RELU = 64, 1, 0x1ff, 0x20
+_FORWARD_TRAINING, _CONV_DIRECT, _ELTWISE_RELU = 64, 1, 0x20
+_POOLING_MAX, _POOLING_AVG_INCLUDE, _POOLING_AVG_EXCLUDE = 0x1ff, 0x2ff, 0x3ff
 _Q_SRC, _Q_DIFF_SRC, _Q_WEIGHTS, _Q_DIFF_WEIGHTS, _Q_DST, _Q_DIFF_DST, _Q_WORKSPACE = range(
     129, 136)
 _ARG_SRC, _ARG_DST, _ARG_WEIGHTS, _ARG_BIAS, _ARG_WORKSPACE = 1, 17, 33, 41, 64
@@ -544,14 +546,10 @@ class Dnnl:
     def _max_pool(self, g: Any) -> _MaxPool | None:
         """The forward primitive of geometry ``g`` on plain NCHW, or None when oneDNN has
         none or its workspace is not one kernel offset per output (u8 or s32)."""
-        x = self.md((g.num, g.channels, g.height, g.width), _TAG_ABCD)
-        y = self.md((g.num, g.channels, g.pooled_h, g.pooled_w), _TAG_ABCD)
+        x, y = self._pool_mds(g)
         # Caffe clips a window to the image; oneDNN pads with the lowest float, which never
         # wins over an image value, so the ceil-rounded overhang is right padding.
-        right = ((g.pooled_h - 1) * g.stride_h + g.kernel_h - g.height - g.pad_h,
-                 (g.pooled_w - 1) * g.stride_w + g.kernel_w - g.width - g.pad_w)
-        window = (_dims(g.stride_h, g.stride_w), _dims(g.kernel_h, g.kernel_w), _dims(0, 0),
-                  _dims(g.pad_h, g.pad_w), _dims(*right))
+        window = _pool_window(g)
         pd = ctypes.c_void_p()
         self.call("dnnl_pooling_forward_primitive_desc_create", ctypes.byref(pd), self.engine,
                   _FORWARD_TRAINING, _POOLING_MAX, x, y, *window, None)
@@ -619,14 +617,86 @@ class Dnnl:
         return True
 
     def _max_pool_backward(self, g: Any, pool: _MaxPool) -> _Primitive:
-        x = self.md((g.num, g.channels, g.height, g.width), _TAG_ABCD)
-        y = self.md((g.num, g.channels, g.pooled_h, g.pooled_w), _TAG_ABCD)
+        x, y = self._pool_mds(g)
         pd = ctypes.c_void_p()
         self.call("dnnl_pooling_backward_primitive_desc_create", ctypes.byref(pd), self.engine,
                   _POOLING_MAX, x, y, *pool.window, pool.pd, None)
         return _Primitive(self, pd, [(_ARG_DIFF_DST, None, y, True),
                                      (_ARG_WORKSPACE, None, pool.workspace, True),
                                      (_ARG_DIFF_SRC, None, x, False)])
+
+    def _pool_mds(self, g: Any) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
+        return (self.md((g.num, g.channels, g.height, g.width), _TAG_ABCD),
+                self.md((g.num, g.channels, g.pooled_h, g.pooled_w), _TAG_ABCD))
+
+    # -- AVE pooling -----------------------------------------------------------------------
+    def _make_ave_pool(self, g: Any, backward: bool) -> _Primitive:
+        alg = ave_algorithm(g)
+        if alg is None:
+            raise PurineError("oneDNN: no average that divides as Caffe does")
+        x, y = self._pool_mds(g)
+        window = _pool_window(g)
+        fwd = ctypes.c_void_p()
+        self.call("dnnl_pooling_forward_primitive_desc_create", ctypes.byref(fwd), self.engine,
+                  _FORWARD_TRAINING, alg, x, y, *window, None)
+        if not backward:
+            pd, operands = fwd, [(_ARG_SRC, None, x, True), (_ARG_DST, None, y, False)]
+        else:
+            pd = ctypes.c_void_p()
+            self.call("dnnl_pooling_backward_primitive_desc_create", ctypes.byref(pd),
+                      self.engine, alg, x, y, *window, fwd, None)
+            operands = [(_ARG_DIFF_DST, None, y, True), (_ARG_DIFF_SRC, None, x, False)]
+        if self._impl(pd).startswith("ref"):  # scalar loops: numpy's two GEMMs are faster
+            raise PurineError("oneDNN: only a reference average pooling")
+        return _Primitive(self, pd, operands)
+
+    def _ave_pool(self, backward: bool, src: np.ndarray, dst: np.ndarray, g: Any) -> bool:
+        x, y = (dst, src) if backward else (src, dst)
+        if (min(g.num, g.channels, g.height, g.width, g.pooled_h, g.pooled_w) <= 0
+                or g.empty_rows or g.empty_cols
+                or x.size != g.num * g.channels * g.height * g.width
+                or y.size != g.num * g.channels * g.pooled_h * g.pooled_w
+                or not all(type(a) is np.ndarray and a.dtype == np.float32
+                           and a.flags.c_contiguous for a in (x, y))):
+            return False
+        prim = self._cached(("ave_pool", g, backward), lambda: self._make_ave_pool(g, backward))
+        if prim is None:
+            return False
+        prim.run(src, dst)
+        return True
+
+    def ave_pool_forward(self, x: np.ndarray, y: np.ndarray, g: Any) -> bool:
+        """y = each window's mean as Caffe divides it (``ave_algorithm``); False (nothing
+        written) when numpy must do it: another dtype, a window wholly outside the image, a
+        geometry whose divisor no oneDNN average gives."""
+        return self._ave_pool(False, x, y, g)
+
+    def ave_pool_backward(self, dy: np.ndarray, dx: np.ndarray, g: Any) -> bool:
+        """dx = each window's dy over its divisor, spread over the window; False when numpy
+        must do it."""
+        return self._ave_pool(True, dy, dx, g)
+
+
+def _pool_window(g: Any) -> tuple[Any, ...]:
+    """oneDNN's strides, kernel, dilation, left and right padding of pooling geometry ``g``:
+    the right padding reaches the end of the last (ceil-rounded) window."""
+    right = ((g.pooled_h - 1) * g.stride_h + g.kernel_h - g.height - g.pad_h,
+             (g.pooled_w - 1) * g.stride_w + g.kernel_w - g.width - g.pad_w)
+    return (_dims(g.stride_h, g.stride_w), _dims(g.kernel_h, g.kernel_w), _dims(0, 0),
+            _dims(g.pad_h, g.pad_w), _dims(*right))
+
+
+def ave_algorithm(g: Any) -> int | None:
+    """The oneDNN average whose divisor is Caffe's for geometry ``g``, or None. Caffe divides
+    a window's sum by its extent clipped to the padded image (the padding counts, the
+    overhang of a ceil-rounded last window does not). Without padding that is the number of
+    image values in the window, oneDNN's exclude-padding average; where no window overhangs
+    the padded image it is the kernel's area, oneDNN's include-padding average."""
+    if g.pad_h == g.pad_w == 0:
+        return _POOLING_AVG_EXCLUDE
+    over_h = (g.pooled_h - 1) * g.stride_h + g.kernel_h - g.height - 2 * g.pad_h
+    over_w = (g.pooled_w - 1) * g.stride_w + g.kernel_w - g.width - 2 * g.pad_w
+    return _POOLING_AVG_INCLUDE if over_h <= 0 and over_w <= 0 else None
 
 
 @dataclass

@@ -330,8 +330,10 @@ def _ave_pool_forward_gpu(x: Array, y: Array, *, geom: PoolGeometry) -> None:
 
 @device_variant(_ave_pool_forward_gpu)
 def ave_pool_forward(x: Array, y: Array, *, geom: PoolGeometry) -> None:
-    """y = Bh x Bw^T per plane: two GEMMs, no padded copy (the matrices clip the windows)."""
-    if _no_planes(geom):
+    """y = Bh x Bw^T per plane: two GEMMs, no padded copy (the matrices clip the windows);
+    oneDNN's average instead where one has Caffe's divisors (``onednn.ave_algorithm``)."""
+    dnnl = onednn.get()
+    if _no_planes(geom) or (dnnl is not None and dnnl.ave_pool_forward(x, y, geom)):
         return
     g = geom
     bh, bw = _ave_matrices(np, g, x.dtype)
@@ -355,7 +357,8 @@ def _ave_pool_backward_gpu(dy: Array, dx: Array, *, geom: PoolGeometry) -> None:
 @device_variant(_ave_pool_backward_gpu)
 def ave_pool_backward(dy: Array, dx: Array, *, geom: PoolGeometry) -> None:
     """dx = Bh^T dy Bw per plane: each window's dy / pool size over its image part."""
-    if _no_planes(geom):
+    dnnl = onednn.get()
+    if _no_planes(geom) or (dnnl is not None and dnnl.ave_pool_backward(dy, dx, geom)):
         return
     g = geom
     bh, bw = _ave_matrices(np, g, dy.dtype)

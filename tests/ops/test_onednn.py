@@ -1,6 +1,7 @@
 """The optional oneDNN convolutions, MAX pooling, ReLU and InnerProduct products
 (``purine.backend.onednn``): on float32 they match the numpy kernels (forward, backward data,
-backward weight, on named geometries and on 40 drawn ones of either layout, a Deconvolution layer, MAX pooling's maxima and mask bit for bit, ReLU's
+backward weight, on named geometries and on 40 drawn ones of either layout, a Deconvolution layer, MAX pooling's maxima and mask bit for bit, AVE pooling's
+averages with Caffe's divisors, ReLU's
 values and gradients bit for bit, the
 InnerProduct ops with and without transpose and bias, and whole LeNet and CIFAR-10 quick
 training steps), float64 and small products stay on numpy, and without a usable library purine
@@ -256,11 +257,11 @@ def train_step(net: Net, data: np.ndarray, label: np.ndarray) -> dict[str, np.nd
 # numpy alone): these seeds keep every ip1 input above 1e-4 of the largest.
 STEPS = {
     # convolutions: three forwards, three weight gradients, two backward datas (conv1's
-    # bottom is data); pool1's MAX forward and backward (pool2 and pool3 are AVE); ip1 and
-    # ip2: forward, weight gradient and backward data each; relu1-relu3 forward and backward
-    # (each of at least ELTWISE_MIN values)
+    # bottom is data); pool1's MAX and pool2's and pool3's AVE, forward and backward each; ip1
+    # and ip2: forward, weight gradient and backward data each; relu1-relu3 forward and
+    # backward (each of at least ELTWISE_MIN values)
     "cifar10_quick": ("models/cifar10_quick/cifar10_quick_train_test.prototxt",
-                      (16, 3, 32, 32), 8 + 2 + 6 + 6, 2),
+                      (16, 3, 32, 32), 8 + 6 + 6 + 6, 2),
     # two convolutions (2 + 2 + 1), two MAX pools (forward and backward), two inner
     # products (3 + 3)
     "lenet": ("models/lenet/lenet_train_test.prototxt", (8, 1, 28, 28), 5 + 4 + 6, 4),
@@ -554,6 +555,68 @@ def test_max_pool_float64_stays_on_numpy(dnnl):
     rows = x[0, 0, :3]
     np.testing.assert_array_equal(y[0, 0, 0], [rows[:, j:j + 3].max() for j in range(5)])
     assert y.dtype == np.float64
+
+
+def ave_pool(g: PoolGeometry, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    y, dx = np.full(dy.shape, np.nan, x.dtype), np.full_like(x, np.nan)
+    pooling.ave_pool_forward(x, y, geom=g)
+    pooling.ave_pool_backward(dy, dx, geom=g)
+    return y, dx
+
+
+AVE_POOLS = {**POOLS,
+             # every window inside the padded image: the kernel's area divides
+             "pad 1, no overhang": pool_geometry(2, 3, 9, 9, (3, 3), (2, 2), (1, 1)),
+             "AlexNet-sized, pad 1": pool_geometry(4, 16, 13, 13, (3, 3), (2, 2), (1, 1))}
+
+
+@pytest.mark.parametrize("name", sorted(AVE_POOLS))
+def test_ave_pool_on_onednn_matches_numpy(dnnl, monkeypatch, name):
+    """oneDNN's averages divide as Caffe does (numpy's separable matrices hold Caffe's
+    divisors): without padding by the window's part in the image, with padding by the
+    kernel's area where no window overhangs the padded image; a padded geometry whose last
+    window overhangs it (Caffe divides that one by less than the kernel's area) stays on
+    numpy."""
+    g = AVE_POOLS[name]
+    on = onednn.ave_algorithm(g) is not None
+    assert on == (name != "pad 1, ceil overhang")
+    for what, x, dy in pool_inputs(g):
+        before = dnnl.calls
+        got = ave_pool(g, x, dy)
+        assert dnnl.calls - before == 2 * on, what
+        want = on_numpy(monkeypatch, ave_pool, g, x, dy)
+        for a, b in zip(got, want, strict=True):
+            assert_close(a, b, 1e-6)
+
+
+def test_ave_pool_divisors_by_hand(dnnl):
+    ones = np.ones((1, 1, 3, 3), np.float32)
+    # pad 1, kernel 3, stride 2 over 3x3: each window holds 4 image values and 5 of padding,
+    # and Caffe divides by all 9.
+    g = pool_geometry(1, 1, 3, 3, (3, 3), (2, 2), (1, 1))
+    y, dx = ave_pool(g, ones, np.ones((1, 1, 2, 2), np.float32))
+    np.testing.assert_allclose(y, np.full((1, 1, 2, 2), 4 / 9), rtol=1e-7)
+    # the centre value lies in all four windows, the corners in one
+    np.testing.assert_allclose(dx[0, 0], [[1 / 9, 2 / 9, 1 / 9], [2 / 9, 4 / 9, 2 / 9],
+                                          [1 / 9, 2 / 9, 1 / 9]], rtol=1e-6)
+    # no padding, kernel 3, stride 2 over 4x4: the last windows overhang by one row and
+    # column and are divided by their 6 (or 4) image values, so ones average to one
+    g = pool_geometry(1, 1, 4, 4, (3, 3), (2, 2))
+    x = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
+    before = dnnl.calls
+    y, _ = ave_pool(g, x, np.zeros((1, 1, 2, 2), np.float32))
+    assert dnnl.calls - before == 2
+    np.testing.assert_allclose(y[0, 0], [[5, 6.5], [11, 12.5]], rtol=1e-7)
+
+
+def test_ave_pool_float64_and_empty_windows_stay_on_numpy(dnnl, monkeypatch):
+    for g, dtype in ((POOLS["stride 1"], np.float64), (EMPTY_WINDOWS, np.float32)):
+        x, dy = (a.astype(dtype) for a in next(pool_inputs(g))[1:])
+        before = dnnl.calls
+        got = ave_pool(g, x, dy)
+        assert dnnl.calls == before
+        for a, b in zip(got, on_numpy(monkeypatch, ave_pool, g, x, dy), strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def relu_arrays(n: int, dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray]:
