@@ -1,8 +1,8 @@
-"""The optional oneDNN convolutions, MAX pooling, ReLU and InnerProduct products
+"""The optional oneDNN convolutions, pooling, ReLU and InnerProduct products
 (``purine.backend.onednn``): on float32 they match the numpy kernels (forward, backward data,
-backward weight, on named geometries and on 40 drawn ones of either layout, a Deconvolution layer, MAX pooling's maxima and mask bit for bit, AVE pooling's
-averages with Caffe's divisors, ReLU's
-values and gradients bit for bit, the
+backward weight, on named geometries and on 40 drawn ones of either layout, a Deconvolution
+layer, MAX pooling's maxima and mask bit for bit, AVE pooling's averages with Caffe's
+divisors on named geometries and 60 drawn ones, ReLU's values and gradients bit for bit, the
 InnerProduct ops with and without transpose and bias, and whole LeNet and CIFAR-10 quick
 training steps), float64 and small products stay on numpy, and without a usable library purine
 falls back to numpy, with one warning when an installed one fails to load.
@@ -587,6 +587,45 @@ def test_ave_pool_on_onednn_matches_numpy(dnnl, monkeypatch, name):
         want = on_numpy(monkeypatch, ave_pool, g, x, dy)
         for a, b in zip(got, want, strict=True):
             assert_close(a, b, 1e-6)
+
+
+@st.composite
+def pool_geometries(draw: st.DrawFn) -> PoolGeometry:
+    """Windows of any kernel, stride and padding (below the kernel, as Caffe requires) over
+    small images, with Caffe's ceil-rounded output size: some overhang the padded image,
+    some start past it."""
+    kh, kw = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    ph, pw = draw(st.integers(0, kh - 1)), draw(st.integers(0, kw - 1))
+    h = draw(st.integers(max(1, kh - 2 * ph), 12))
+    w = draw(st.integers(max(1, kw - 2 * pw), 12))
+    return pool_geometry(draw(st.integers(1, 3)), draw(st.integers(1, 20)), h, w, (kh, kw),
+                         (draw(st.integers(1, 4)), draw(st.integers(1, 4))), (ph, pw))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(g=pool_geometries())
+def test_any_ave_pool_geometry_matches_numpy(dnnl, g):
+    """oneDNN takes every geometry ``ave_algorithm`` gives an average for (unless a window
+    lies wholly outside the image) and gives numpy's values; the rest run numpy's code."""
+    shape = (g.num, g.channels, g.height, g.width)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(shape).astype(np.float32)
+    dy = rng.standard_normal((g.num, g.channels, g.pooled_h, g.pooled_w)).astype(np.float32)
+    on = onednn.ave_algorithm(g) is not None and not (g.empty_rows or g.empty_cols)
+    before = dnnl.calls
+    got = ave_pool(g, x, dy)
+    assert dnnl.calls - before == 2 * on
+    previous = onednn.use(False)
+    try:
+        want = ave_pool(g, x, dy)
+    finally:
+        onednn.use(previous)
+    for a, b in zip(got, want, strict=True):
+        if on:
+            assert_close(a, b, 1e-6)
+        else:  # the same code: the same bits, Caffe's NaN of an empty window included
+            np.testing.assert_array_equal(a, b)
 
 
 def test_ave_pool_divisors_by_hand(dnnl):
