@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -257,11 +258,11 @@ def train_step(net: Net, data: np.ndarray, label: np.ndarray) -> dict[str, np.nd
 # numpy alone): these seeds keep every ip1 input above 1e-4 of the largest.
 STEPS = {
     # convolutions: three forwards, three weight gradients, two backward datas (conv1's
-    # bottom is data); pool1's MAX and pool2's and pool3's AVE, forward and backward each; ip1
-    # and ip2: forward, weight gradient and backward data each; relu1-relu3 forward and
-    # backward (each of at least ELTWISE_MIN values)
+    # bottom is data); pool1's MAX forward and backward; ip1 and ip2: forward, weight
+    # gradient and backward data each; relu1-relu3 forward and backward (each of at least
+    # ELTWISE_MIN values); and pool2's and pool3's AVE where oneDNN has vectorized kernels
     "cifar10_quick": ("models/cifar10_quick/cifar10_quick_train_test.prototxt",
-                      (16, 3, 32, 32), 8 + 6 + 6 + 6, 2),
+                      (16, 3, 32, 32), 8 + 2 + 6 + 6, 2),
     # two convolutions (2 + 2 + 1), two MAX pools (forward and backward), two inner
     # products (3 + 3)
     "lenet": ("models/lenet/lenet_train_test.prototxt", (8, 1, 28, 28), 5 + 4 + 6, 4),
@@ -279,7 +280,11 @@ def test_training_step_matches_numpy(dnnl, every_matmul, monkeypatch, name):
     label = rng.integers(0, 10, shape[0]).astype(np.float32)
     before = dnnl.calls
     got = train_step(net, data, label)
-    assert dnnl.calls - before == calls
+    ave = sum(p is not None for k, p in dnnl._prims.items()
+              if k[0] == "ave_pool" and k[1].num == shape[0])
+    if name == "cifar10_quick" and JIT_POOLING:
+        assert ave == 4
+    assert dnnl.calls - before == calls + ave
     want = on_numpy(monkeypatch, train_step, net, data, label)
     assert set(got) == set(want)
     for k in want:
@@ -564,9 +569,30 @@ def ave_pool(g: PoolGeometry, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray
     return y, dx
 
 
-AVE_POOLS = {**POOLS,
+def ave_primitives(dnnl: onednn.Dnnl, g: PoolGeometry) -> int:
+    """How many of AVE pooling's two directions of ``g`` oneDNN made primitives for (each
+    runs once per call)."""
+    return sum(dnnl._prims.get(("ave_pool", g, backward)) is not None
+               for backward in (False, True))
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+# oneDNN has vectorized (jit) average pooling on plain NCHW with 4 or more planes per sample
+# on AVX-512; capped at AVX2 or below it offers scalar kernels there, which stay on numpy.
+JIT_POOLING = "avx512f" in _cpu_flags() and not os.environ.get("ONEDNN_MAX_CPU_ISA")
+
+# At least 8 planes per sample: for fewer, oneDNN picks scalar kernels, which stay on numpy
+# (test_scalar_ave_pool_kernels_stay_on_numpy).
+AVE_POOLS = {**{name: replace(g, channels=max(g.channels, 8)) for name, g in POOLS.items()},
              # every window inside the padded image: the kernel's area divides
-             "pad 1, no overhang": pool_geometry(2, 3, 9, 9, (3, 3), (2, 2), (1, 1)),
+             "pad 1, no overhang": pool_geometry(2, 8, 9, 9, (3, 3), (2, 2), (1, 1)),
              "AlexNet-sized, pad 1": pool_geometry(4, 16, 13, 13, (3, 3), (2, 2), (1, 1))}
 
 
@@ -583,7 +609,12 @@ def test_ave_pool_on_onednn_matches_numpy(dnnl, monkeypatch, name):
     for what, x, dy in pool_inputs(g):
         before = dnnl.calls
         got = ave_pool(g, x, dy)
-        assert dnnl.calls - before == 2 * on, what
+        made = ave_primitives(dnnl, g)
+        assert dnnl.calls - before == made, what
+        if not on:
+            assert made == 0, what
+        elif JIT_POOLING:
+            assert made == 2, what
         want = on_numpy(monkeypatch, ave_pool, g, x, dy)
         for a, b in zip(got, want, strict=True):
             assert_close(a, b, 1e-6)
@@ -593,7 +624,7 @@ def test_ave_pool_on_onednn_matches_numpy(dnnl, monkeypatch, name):
 def pool_geometries(draw: st.DrawFn) -> PoolGeometry:
     """Windows of any kernel, stride and padding (below the kernel, as Caffe requires) over
     small images, with Caffe's ceil-rounded output size: some overhang the padded image,
-    some start past it."""
+    some start past it; from 1 to 20 planes per sample."""
     kh, kw = draw(st.integers(1, 5)), draw(st.integers(1, 5))
     ph, pw = draw(st.integers(0, kh - 1)), draw(st.integers(0, kw - 1))
     h = draw(st.integers(max(1, kh - 2 * ph), 12))
@@ -606,22 +637,26 @@ def pool_geometries(draw: st.DrawFn) -> PoolGeometry:
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(g=pool_geometries())
 def test_any_ave_pool_geometry_matches_numpy(dnnl, g):
-    """oneDNN takes every geometry ``ave_algorithm`` gives an average for (unless a window
-    lies wholly outside the image) and gives numpy's values; the rest run numpy's code."""
+    """Each direction runs on oneDNN exactly when it made a primitive for it, which it does
+    only where ``ave_algorithm`` gives an average (and no window lies wholly outside the
+    image), and there it gives numpy's values; the rest run numpy's code."""
     shape = (g.num, g.channels, g.height, g.width)
     rng = np.random.default_rng(7)
     x = rng.standard_normal(shape).astype(np.float32)
     dy = rng.standard_normal((g.num, g.channels, g.pooled_h, g.pooled_w)).astype(np.float32)
-    on = onednn.ave_algorithm(g) is not None and not (g.empty_rows or g.empty_cols)
     before = dnnl.calls
     got = ave_pool(g, x, dy)
-    assert dnnl.calls - before == 2 * on
+    made = [dnnl._prims.get(("ave_pool", g, backward)) is not None
+            for backward in (False, True)]
+    assert dnnl.calls - before == sum(made) == ave_primitives(dnnl, g)
+    if onednn.ave_algorithm(g) is None or g.empty_rows or g.empty_cols:
+        assert not any(made)
     previous = onednn.use(False)
     try:
         want = ave_pool(g, x, dy)
     finally:
         onednn.use(previous)
-    for a, b in zip(got, want, strict=True):
+    for a, b, on in zip(got, want, made, strict=True):
         if on:
             assert_close(a, b, 1e-6)
         else:  # the same code: the same bits, Caffe's NaN of an empty window included
@@ -629,33 +664,60 @@ def test_any_ave_pool_geometry_matches_numpy(dnnl, g):
 
 
 def test_ave_pool_divisors_by_hand(dnnl):
-    ones = np.ones((1, 1, 3, 3), np.float32)
+    ones = np.ones((1, 8, 3, 3), np.float32)
     # pad 1, kernel 3, stride 2 over 3x3: each window holds 4 image values and 5 of padding,
     # and Caffe divides by all 9.
-    g = pool_geometry(1, 1, 3, 3, (3, 3), (2, 2), (1, 1))
-    y, dx = ave_pool(g, ones, np.ones((1, 1, 2, 2), np.float32))
-    np.testing.assert_allclose(y, np.full((1, 1, 2, 2), 4 / 9), rtol=1e-7)
+    g = pool_geometry(1, 8, 3, 3, (3, 3), (2, 2), (1, 1))
+    before = dnnl.calls
+    y, dx = ave_pool(g, ones, np.ones((1, 8, 2, 2), np.float32))
+    assert dnnl.calls - before == ave_primitives(dnnl, g)
+    assert ave_primitives(dnnl, g) == 2 or not JIT_POOLING
+    np.testing.assert_allclose(y, np.full((1, 8, 2, 2), 4 / 9), rtol=1e-7)
     # the centre value lies in all four windows, the corners in one
-    np.testing.assert_allclose(dx[0, 0], [[1 / 9, 2 / 9, 1 / 9], [2 / 9, 4 / 9, 2 / 9],
+    np.testing.assert_allclose(dx[0, 5], [[1 / 9, 2 / 9, 1 / 9], [2 / 9, 4 / 9, 2 / 9],
                                           [1 / 9, 2 / 9, 1 / 9]], rtol=1e-6)
     # no padding, kernel 3, stride 2 over 4x4: the last windows overhang by one row and
-    # column and are divided by their 6 (or 4) image values, so ones average to one
-    g = pool_geometry(1, 1, 4, 4, (3, 3), (2, 2))
-    x = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
+    # column and are divided by their 6 (or 4) image values
+    g = pool_geometry(1, 8, 4, 4, (3, 3), (2, 2))
+    x = np.broadcast_to(np.arange(16, dtype=np.float32).reshape(4, 4), (1, 8, 4, 4)).copy()
     before = dnnl.calls
-    y, _ = ave_pool(g, x, np.zeros((1, 1, 2, 2), np.float32))
-    assert dnnl.calls - before == 2
-    np.testing.assert_allclose(y[0, 0], [[5, 6.5], [11, 12.5]], rtol=1e-7)
+    y, _ = ave_pool(g, x, np.zeros((1, 8, 2, 2), np.float32))
+    assert dnnl.calls - before == ave_primitives(dnnl, g)
+    assert ave_primitives(dnnl, g) == 2 or not JIT_POOLING
+    np.testing.assert_allclose(y[0], np.broadcast_to([[5, 6.5], [11, 12.5]], (8, 2, 2)),
+                               rtol=1e-7)
 
 
-def test_ave_pool_float64_and_empty_windows_stay_on_numpy(dnnl, monkeypatch):
-    for g, dtype in ((POOLS["stride 1"], np.float64), (EMPTY_WINDOWS, np.float32)):
-        x, dy = (a.astype(dtype) for a in next(pool_inputs(g))[1:])
+def test_ave_pool_float64_non_contiguous_and_empty_windows_stay_on_numpy(dnnl, monkeypatch):
+    g1 = AVE_POOLS["stride 1"]
+    x1, dy1 = next(pool_inputs(g1))[1:]
+    wide = np.zeros(x1.shape[:-1] + (2 * x1.shape[-1],), np.float32)
+    wide[..., ::2] = x1
+    for g, x, dy in ((g1, x1.astype(np.float64), dy1.astype(np.float64)),
+                     (EMPTY_WINDOWS, *next(pool_inputs(EMPTY_WINDOWS))[1:])):
         before = dnnl.calls
         got = ave_pool(g, x, dy)
         assert dnnl.calls == before
         for a, b in zip(got, on_numpy(monkeypatch, ave_pool, g, x, dy), strict=True):
             np.testing.assert_array_equal(a, b)
+    # every other column of a wider array: the forward reads it on numpy
+    y = np.empty(dy1.shape, np.float32)
+    before = dnnl.calls
+    pooling.ave_pool_forward(wide[..., ::2], y, geom=g1)
+    assert dnnl.calls == before
+    np.testing.assert_array_equal(y, on_numpy(monkeypatch, ave_pool, g1, x1, dy1)[0])
+
+
+def test_scalar_ave_pool_kernels_stay_on_numpy(dnnl, monkeypatch):
+    """Where oneDNN offers only scalar loops ("simple_nchw", "ref"), numpy's products run."""
+    g = pool_geometry(3, 9, 11, 10, (3, 3), (2, 2))  # a geometry no other test makes
+    monkeypatch.setattr(dnnl, "_impl", lambda pd: "simple_nchw:any")
+    x, dy = next(pool_inputs(g))[1:]
+    before = dnnl.calls
+    got = ave_pool(g, x, dy)
+    assert dnnl.calls == before
+    for a, b in zip(got, on_numpy(monkeypatch, ave_pool, g, x, dy), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def relu_arrays(n: int, dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray]:
