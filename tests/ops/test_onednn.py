@@ -556,13 +556,20 @@ def test_offset_pooling_on_onednn_matches_numpy(dnnl, monkeypatch, name):
             np.testing.assert_array_equal(got[2], want[2], err_msg=what)
 
 
-def test_offset_pooling_with_empty_windows_stays_on_numpy(dnnl, monkeypatch):
-    x, dy = next(pool_inputs(EMPTY_WINDOWS))[1:]
+def assert_stays_on_numpy(dnnl: onednn.Dnnl, monkeypatch: pytest.MonkeyPatch,
+                          run: Callable[..., tuple[np.ndarray, ...]], g: PoolGeometry,
+                          x: np.ndarray, dy: np.ndarray) -> None:
+    """``run(g, x, dy)`` calls no oneDNN primitive and gives numpy's bits."""
     before = dnnl.calls
-    got = offset_pool(EMPTY_WINDOWS, x, dy)
+    got = run(g, x, dy)
     assert dnnl.calls == before
-    for a, b in zip(got, on_numpy(monkeypatch, offset_pool, EMPTY_WINDOWS, x, dy), strict=True):
+    for a, b in zip(got, on_numpy(monkeypatch, run, g, x, dy), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_offset_pooling_with_empty_windows_stays_on_numpy(dnnl, monkeypatch):
+    assert_stays_on_numpy(dnnl, monkeypatch, offset_pool, EMPTY_WINDOWS,
+                          *next(pool_inputs(EMPTY_WINDOWS))[1:])
 
 
 def test_max_pool_float64_stays_on_numpy(dnnl):
@@ -699,13 +706,10 @@ def test_ave_pool_float64_non_contiguous_and_empty_windows_stay_on_numpy(dnnl, m
     x1, dy1 = next(pool_inputs(g1))[1:]
     wide = np.zeros(x1.shape[:-1] + (2 * x1.shape[-1],), np.float32)
     wide[..., ::2] = x1
-    for g, x, dy in ((g1, x1.astype(np.float64), dy1.astype(np.float64)),
-                     (EMPTY_WINDOWS, *next(pool_inputs(EMPTY_WINDOWS))[1:])):
-        before = dnnl.calls
-        got = ave_pool(g, x, dy)
-        assert dnnl.calls == before
-        for a, b in zip(got, on_numpy(monkeypatch, ave_pool, g, x, dy), strict=True):
-            np.testing.assert_array_equal(a, b)
+    assert_stays_on_numpy(dnnl, monkeypatch, ave_pool, g1, x1.astype(np.float64),
+                          dy1.astype(np.float64))
+    assert_stays_on_numpy(dnnl, monkeypatch, ave_pool, EMPTY_WINDOWS,
+                          *next(pool_inputs(EMPTY_WINDOWS))[1:])
     # every other column of a wider array: the forward reads it on numpy
     y = np.empty(dy1.shape, np.float32)
     before = dnnl.calls
@@ -716,14 +720,10 @@ def test_ave_pool_float64_non_contiguous_and_empty_windows_stay_on_numpy(dnnl, m
 
 def test_scalar_ave_pool_kernels_stay_on_numpy(dnnl, monkeypatch):
     """Where oneDNN offers only scalar loops ("simple_nchw", "ref"), numpy's products run."""
-    g = pool_geometry(3, 9, 11, 10, (3, 3), (2, 2))  # a geometry no other test makes
+    g = pool_geometry(3, 9, 11, 10, (3, 3), (2, 2))
+    monkeypatch.setattr(dnnl, "_prims", {})  # made afresh here, the cache back after
     monkeypatch.setattr(dnnl, "_impl", lambda pd: "simple_nchw:any")
-    x, dy = next(pool_inputs(g))[1:]
-    before = dnnl.calls
-    got = ave_pool(g, x, dy)
-    assert dnnl.calls == before
-    for a, b in zip(got, on_numpy(monkeypatch, ave_pool, g, x, dy), strict=True):
-        np.testing.assert_array_equal(a, b)
+    assert_stays_on_numpy(dnnl, monkeypatch, ave_pool, g, *next(pool_inputs(g))[1:])
 
 
 def relu_arrays(n: int, dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray]:
