@@ -582,12 +582,8 @@ class Dnnl:
         """The forward of ``g`` when oneDNN takes these arrays (float32 x and y, contiguous,
         no window wholly outside the image, ``offsets`` of its workspace's type), else
         None."""
-        if (min(g.num, g.channels, g.height, g.width, g.pooled_h, g.pooled_w) <= 0
-                or g.empty_rows or g.empty_cols
-                or not all(type(a) is np.ndarray and a.flags.c_contiguous
-                           for a in (x, y, offsets))
-                or x.dtype != np.float32 or y.dtype != np.float32
-                or offsets.size != y.size or x.size != g.num * g.channels * g.height * g.width):
+        if (not _pool_takes(g, x, y) or type(offsets) is not np.ndarray
+                or not offsets.flags.c_contiguous or offsets.size != y.size):
             return None
         pool = self._pool(g)
         return pool if pool is not None and offsets.dtype == pool.code else None
@@ -654,13 +650,7 @@ class Dnnl:
         return _Primitive(self, pd, operands)
 
     def _ave_pool(self, backward: bool, src: np.ndarray, dst: np.ndarray, g: Any) -> bool:
-        x, y = (dst, src) if backward else (src, dst)
-        if (min(g.num, g.channels, g.height, g.width, g.pooled_h, g.pooled_w) <= 0
-                or g.empty_rows or g.empty_cols
-                or x.size != g.num * g.channels * g.height * g.width
-                or y.size != g.num * g.channels * g.pooled_h * g.pooled_w
-                or not all(type(a) is np.ndarray and a.dtype == np.float32
-                           and a.flags.c_contiguous for a in (x, y))):
+        if not _pool_takes(g, *((dst, src) if backward else (src, dst))):
             return False
         prim = self._cached(("ave_pool", g, backward), lambda: self._make_ave_pool(g, backward))
         if prim is None:
@@ -680,13 +670,28 @@ class Dnnl:
         return self._ave_pool(True, dy, dx, g)
 
 
+def _pool_takes(g: Any, x: np.ndarray, y: np.ndarray) -> bool:
+    """Whether oneDNN's pooling takes input ``x`` and output ``y`` of geometry ``g``: float32,
+    contiguous, of ``g``'s sizes, not empty, no window wholly outside the image."""
+    return (min(g.num, g.channels, g.height, g.width, g.pooled_h, g.pooled_w) > 0
+            and not (g.empty_rows or g.empty_cols)
+            and x.size == g.num * g.channels * g.height * g.width
+            and y.size == g.num * g.channels * g.pooled_h * g.pooled_w
+            and all(type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous
+                    for a in (x, y)))
+
+
+def _right_padding(g: Any) -> tuple[int, int]:
+    """How far the last (ceil-rounded) window of pooling geometry ``g`` reaches past the
+    image, rows and columns: oneDNN's right padding."""
+    return ((g.pooled_h - 1) * g.stride_h + g.kernel_h - g.height - g.pad_h,
+            (g.pooled_w - 1) * g.stride_w + g.kernel_w - g.width - g.pad_w)
+
+
 def _pool_window(g: Any) -> tuple[Any, ...]:
-    """oneDNN's strides, kernel, dilation, left and right padding of pooling geometry ``g``:
-    the right padding reaches the end of the last (ceil-rounded) window."""
-    right = ((g.pooled_h - 1) * g.stride_h + g.kernel_h - g.height - g.pad_h,
-             (g.pooled_w - 1) * g.stride_w + g.kernel_w - g.width - g.pad_w)
+    """oneDNN's strides, kernel, dilation, left and right padding of pooling geometry ``g``."""
     return (_dims(g.stride_h, g.stride_w), _dims(g.kernel_h, g.kernel_w), _dims(0, 0),
-            _dims(g.pad_h, g.pad_w), _dims(*right))
+            _dims(g.pad_h, g.pad_w), _dims(*_right_padding(g)))
 
 
 def ave_algorithm(g: Any) -> int | None:
@@ -697,9 +702,8 @@ def ave_algorithm(g: Any) -> int | None:
     the padded image it is the kernel's area, oneDNN's include-padding average."""
     if g.pad_h == g.pad_w == 0:
         return _POOLING_AVG_EXCLUDE
-    over_h = (g.pooled_h - 1) * g.stride_h + g.kernel_h - g.height - 2 * g.pad_h
-    over_w = (g.pooled_w - 1) * g.stride_w + g.kernel_w - g.width - 2 * g.pad_w
-    return _POOLING_AVG_INCLUDE if over_h <= 0 and over_w <= 0 else None
+    right_h, right_w = _right_padding(g)
+    return _POOLING_AVG_INCLUDE if right_h <= g.pad_h and right_w <= g.pad_w else None
 
 
 @dataclass
